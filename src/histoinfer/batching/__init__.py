@@ -1,0 +1,7 @@
+"""Dynamic batching: a scheduler per event loop, knowing nothing of models or transports."""
+
+from .perloop import PerLoop, current_loop_key
+from .scheduler import BatchScheduler, Reservation
+from .stats import BatchStats, StatsSnapshot
+
+__all__ = ["BatchScheduler", "BatchStats", "PerLoop", "Reservation", "StatsSnapshot", "current_loop_key"]

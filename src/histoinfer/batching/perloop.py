@@ -1,0 +1,76 @@
+"""``PerLoop``: one value per running event loop, created lazily, dropped when the loop ends.
+
+Keyed on the loop's *native* token (the asyncio loop, or trio's ``TrioToken``): anyio's
+``current_token()`` returns a new, equal wrapper on each call. A plain dict under a
+``threading.Lock`` is used rather than a ``WeakKeyDictionary``: the values (schedulers with
+tasks and streams) reference their loop, so weak keys would never be freed. Instead the owner
+calls :meth:`discard` when the loop's scheduler ends, and every new lookup purges loops that have
+finished without saying so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+import anyio.lowlevel
+
+__all__ = ["PerLoop", "current_loop_key"]
+
+V = TypeVar("V")
+
+
+def current_loop_key() -> object:
+    """The native identity of the running event loop."""
+    return anyio.lowlevel.current_token().native_token
+
+
+def _loop_finished(key: object) -> bool:
+    if isinstance(key, asyncio.AbstractEventLoop):
+        return key.is_closed()
+    run_sync_soon = getattr(key, "run_sync_soon", None)
+    if run_sync_soon is None:  # pragma: no cover - unknown backend
+        return False
+    try:
+        run_sync_soon(lambda: None)
+    except Exception:  # trio.RunFinishedError: that run is over
+        return True
+    return False
+
+
+class PerLoop(Generic[V]):
+    """A value per event loop, made by ``factory(key)`` on first use in that loop."""
+
+    def __init__(self, factory: Callable[[object], V]) -> None:
+        self._factory = factory
+        self._values: dict[object, V] = {}
+        self._lock = threading.Lock()
+
+    def get(self) -> V:
+        key = current_loop_key()
+        with self._lock:
+            value = self._values.get(key)
+            if value is None:
+                self._purge_finished()
+                value = self._values[key] = self._factory(key)
+            return value
+
+    def discard(self, key: object) -> None:
+        with self._lock:
+            self._values.pop(key, None)
+
+    def values(self) -> list[V]:
+        with self._lock:
+            self._purge_finished()
+            return list(self._values.values())
+
+    def __len__(self) -> int:
+        with self._lock:
+            self._purge_finished()
+            return len(self._values)
+
+    def _purge_finished(self) -> None:
+        for key in [k for k in self._values if _loop_finished(k)]:
+            del self._values[key]

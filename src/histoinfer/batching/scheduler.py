@@ -1,0 +1,401 @@
+"""``BatchScheduler``: turns concurrent ``submit`` calls into calls of a batch function.
+
+It knows nothing of models, torch, HTTP or images: items are opaque, and the batch function maps
+a list of items to a list of results, positionally. One scheduler serves one event loop (asyncio
+or trio); :class:`~histoinfer.batching.PerLoop` keeps one per loop.
+
+How it works (``docs/batching.md`` has the reasons and a sequence diagram):
+
+* ``submit`` admits the caller (a semaphore bounds queued + running work: backpressure), puts a
+  ``_Pending`` on an unbounded memory stream with ``send_nowait`` (a cancelled blocking send may
+  still have delivered its item, so we never block on send), and waits on the pending's event.
+* A runner task, started lazily as a trio *system task* or an asyncio task, takes the first item,
+  then drains with ``receive_nowait`` until the batch is full, the window ``max_wait_ms`` after
+  the first item has passed, or nothing else is on its way (a lone request is not held).
+* The batch function runs in a worker thread (``anyio.to_thread.run_sync``) under the scheduler's
+  own limiter; requests that arrive meanwhile accumulate for the next batch.
+* A caller cancelled while queued marks its pending abandoned and the runner skips it; one
+  cancelled while its batch runs just leaves, and the batch completes for the others.
+* A batch function that raises is bisected, so only the failing items get the exception.
+* Completing a pending never raises into the runner, and the runner survives its own bugs:
+  anything unexpected fails the affected requests, and it carries on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Generic, TypeVar
+
+import anyio
+import anyio.lowlevel
+import sniffio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from ..errors import ClientClosedError, DeadlineExceededError, InferenceError, OverloadedError
+from .stats import BatchStats
+
+__all__ = ["BatchScheduler", "Reservation"]
+
+log = logging.getLogger("histoinfer.batching")
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+_QUEUED, _RUNNING, _DONE, _ABANDONED = range(4)
+
+
+class _Pending(Generic[T, R]):
+    __slots__ = ("deadline", "done", "enqueued_at", "error", "item", "result", "state")
+
+    def __init__(self, item: T, now: float, deadline: float | None) -> None:
+        self.item = item
+        self.enqueued_at = now
+        self.deadline = deadline
+        self.state = _QUEUED
+        self.done = anyio.Event()
+        self.result: R | None = None
+        self.error: BaseException | None = None
+
+    def resolve(self, result: R | None = None, error: BaseException | None = None) -> None:
+        # Never raises: setting an event nobody waits on any more is harmless (ray#41057).
+        self.result, self.error, self.state = result, error, _DONE
+        self.done.set()
+
+
+class BatchScheduler(Generic[T, R]):
+    """Dynamic batching of ``submit(item)`` calls into ``batch_fn(items)`` calls.
+
+    Args:
+        batch_fn: maps a list of items to a same-length sequence of results. Runs in a worker
+            thread; it may raise, and the batch is then split to isolate the failing items.
+        max_batch_size: most items per call of ``batch_fn`` (counts items, not requests).
+        max_wait_ms: upper bound on how long the first item of a batch waits for company.
+        max_queue: most items admitted at once (preparing, queued or running); further
+            callers wait for room, or get :class:`OverloadedError` with ``wait=False``.
+            ``None`` means unbounded.
+        limiter: the thread limiter for ``batch_fn``; by default one of its own, with one token.
+        stats: where to record batches and waits; by default a fresh :class:`BatchStats`.
+        on_exit: called once when the runner ends (its loop ended or the scheduler closed).
+    """
+
+    def __init__(
+        self,
+        batch_fn: Callable[[list[T]], Sequence[R]],
+        *,
+        max_batch_size: int = 64,
+        max_wait_ms: float = 5.0,
+        max_queue: int | None = 4096,
+        limiter: anyio.CapacityLimiter | None = None,
+        stats: BatchStats | None = None,
+        name: str = "batch",
+        on_exit: Callable[[], None] | None = None,
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if not (max_wait_ms >= 0 and math.isfinite(max_wait_ms)):
+            raise ValueError(f"max_wait_ms must be a finite number >= 0, got {max_wait_ms}")
+        if max_queue is not None and max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1 or None, got {max_queue}")
+        if max_queue is not None and max_queue < max_batch_size:
+            # Ray Serve #43288: an admission cap below the batch size caps every batch.
+            log.warning(
+                "%s: max_queue=%d is below max_batch_size=%d; batches can never fill",
+                name,
+                max_queue,
+                max_batch_size,
+            )
+        self.batch_fn = batch_fn
+        self.max_batch_size = max_batch_size
+        self.max_wait = max_wait_ms / 1000.0
+        self.max_queue = max_queue
+        self.name = name
+        self.stats = stats if stats is not None else BatchStats()
+        self._limiter = limiter
+        self._on_exit = on_exit
+        self._admission = anyio.Semaphore(max_queue) if max_queue is not None else None
+        self._send: MemoryObjectSendStream[_Pending[T, R]]
+        self._receive: MemoryObjectReceiveStream[_Pending[T, R]]
+        self._send, self._receive = anyio.create_memory_object_stream[_Pending[T, R]](math.inf)
+        self._incoming = 0  # admitted by reserve(), not yet submitted
+        self._closing = False
+        self._loop: object | None = None
+        self._runner: asyncio.Task[None] | None = None
+        self._finished: anyio.Event | None = None
+
+    # -- public ---------------------------------------------------------------------------
+
+    async def submit(self, item: T, *, timeout: float | None = None, wait: bool = True) -> R:
+        """Queue ``item`` and return its result from the batch function.
+
+        ``timeout`` is a dispatch deadline in seconds: if the item has not reached the batch
+        function by then, :class:`DeadlineExceededError` is raised (once dispatched, it runs).
+        ``wait=False`` raises :class:`OverloadedError` instead of waiting for room.
+        """
+        await self._admit(wait)
+        try:
+            return await self._enqueue_and_wait(item, timeout)
+        finally:
+            self._release()
+
+    @asynccontextmanager
+    async def reserve(self, *, wait: bool = True) -> AsyncIterator[Reservation[T, R]]:
+        """Admit a caller *before* its item exists, e.g. while it is being prepared.
+
+        The runner knows a reserved item is on its way and waits for it (within ``max_wait_ms``)
+        instead of dispatching early: pipelined preparation still fills batches.
+        """
+        await self._admit(wait)
+        self._incoming += 1
+        reservation: Reservation[T, R] = Reservation(self)
+        try:
+            yield reservation
+        finally:
+            if not reservation.used:
+                self._incoming -= 1
+            self._release()
+
+    async def aclose(self) -> None:
+        """Refuse new items, finish every queued one, then stop the runner."""
+        self._closing = True
+        self._send.close()
+        if self._finished is not None:
+            await self._finished.wait()
+        else:
+            self._receive.close()
+
+    @property
+    def queue_depth(self) -> int:
+        return self._send.statistics().current_buffer_used
+
+    # -- the caller's side ----------------------------------------------------------------
+
+    async def _admit(self, wait: bool) -> None:
+        if self._closing:
+            raise ClientClosedError(f"{self.name}: the scheduler is closed")
+        if self._admission is None:
+            return
+        if wait:
+            await self._admission.acquire()
+        else:
+            try:
+                self._admission.acquire_nowait()
+            except anyio.WouldBlock:
+                raise OverloadedError(
+                    f"{self.name}: queue full ({self.max_queue} requests admitted); retry later"
+                ) from None
+
+    def _release(self) -> None:
+        if self._admission is not None:
+            self._admission.release()
+
+    async def _enqueue_and_wait(self, item: T, timeout: float | None) -> R:
+        self._ensure_runner()
+        now = time.perf_counter()
+        pending: _Pending[T, R] = _Pending(item, now, None if timeout is None else now + timeout)
+        try:
+            self._send.send_nowait(pending)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            raise ClientClosedError(f"{self.name}: the scheduler is closed") from None
+        self.stats.queue_changed(+1)
+        try:
+            if timeout is None:
+                await pending.done.wait()
+            else:
+                with anyio.move_on_after(timeout):
+                    await pending.done.wait()
+                if pending.state == _QUEUED:
+                    self._abandon(pending)
+                    self.stats.record_error("deadline")
+                    raise DeadlineExceededError(
+                        f"{self.name}: request not dispatched within its "
+                        f"{timeout * 1000:.0f} ms deadline "
+                        f"({self.queue_depth} requests queued ahead or behind)"
+                    )
+                await pending.done.wait()  # dispatched in time: it runs to completion
+        except BaseException:
+            if pending.state == _QUEUED:  # cancelled while queued: leave before dispatch
+                self._abandon(pending)
+                self.stats.record_cancelled()
+            raise
+        if pending.error is not None:
+            raise pending.error
+        return pending.result  # type: ignore[return-value]
+
+    def _abandon(self, pending: _Pending[T, R]) -> None:
+        pending.state = _ABANDONED
+        self.stats.queue_changed(-1)
+
+    # -- the runner -----------------------------------------------------------------------
+
+    def _ensure_runner(self) -> None:
+        token = anyio.lowlevel.current_token().native_token
+        if self._loop is token:
+            return
+        if self._loop is not None:
+            raise RuntimeError(
+                f"{self.name}: this BatchScheduler belongs to another event loop; "
+                "use one scheduler per loop (histoinfer.batching.PerLoop)"
+            )
+        if self._closing:
+            raise ClientClosedError(f"{self.name}: the scheduler is closed")
+        self._loop = token
+        self._finished = anyio.Event()
+        if sniffio.current_async_library() == "trio":
+            import trio
+
+            trio.lowlevel.spawn_system_task(self._run, name=f"histoinfer:{self.name}")
+        else:
+            # asyncio keeps only weak references to tasks: hold a strong one.
+            self._runner = asyncio.get_running_loop().create_task(
+                self._run(), name=f"histoinfer:{self.name}"
+            )
+
+    async def _run(self) -> None:
+        batch: list[_Pending[T, R]] = []
+        try:
+            while True:
+                batch = []
+                try:
+                    more = await self._collect(batch)
+                    await self._dispatch(batch)
+                except Exception as exc:  # a bug of ours: fail what we hold, keep serving
+                    log.exception("%s: scheduler error; failing %d requests", self.name, len(batch))
+                    self._fail(batch, lambda: InferenceError(f"{self.name}: scheduler error: {exc!r}"))
+                    more = True
+                if not more:
+                    return
+        finally:
+            # The loop is ending (cancelled) or the scheduler was closed: nobody is left behind.
+            self._closing = True
+            self._fail(batch, self._closed_error)
+            self._send.close()
+            leftovers: list[_Pending[T, R]] = []
+            while True:
+                try:
+                    leftovers.append(self._receive.receive_nowait())
+                except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                    break
+            self._fail(leftovers, self._closed_error)
+            self._receive.close()
+            self._runner = None
+            if self._finished is not None:
+                self._finished.set()
+            if self._on_exit is not None:
+                try:
+                    self._on_exit()
+                except Exception:
+                    log.exception("%s: on_exit callback failed", self.name)
+
+    def _closed_error(self) -> InferenceError:
+        return ClientClosedError(f"{self.name}: the event loop or scheduler shut down")
+
+    def _fail(self, pendings: list[_Pending[T, R]], make_error: Callable[[], BaseException]) -> None:
+        for p in pendings:
+            if p.state in (_QUEUED, _RUNNING):
+                if p.state == _QUEUED:
+                    self.stats.queue_changed(-1)
+                p.resolve(error=make_error())
+
+    async def _collect(self, batch: list[_Pending[T, R]]) -> bool:
+        """Fill ``batch``; return False once the stream has ended (after this batch)."""
+        receive = self._receive
+        try:
+            while True:  # the first live item
+                first = await receive.receive()
+                if first.state == _QUEUED:
+                    batch.append(first)
+                    break
+        except anyio.EndOfStream:
+            return False
+        deadline = first.enqueued_at + self.max_wait
+        limit = self.max_batch_size
+        yielded = False
+        while len(batch) < limit:
+            try:
+                item = receive.receive_nowait()
+            except anyio.WouldBlock:
+                if self._incoming == 0:
+                    # Nothing is on its way. Yield once so that callers already woken can
+                    # enqueue; if still nothing, dispatch now rather than hold a lone request.
+                    if yielded:
+                        break
+                    yielded = True
+                    await anyio.lowlevel.checkpoint()
+                    continue
+                remaining = deadline - time.perf_counter()
+                if remaining <= 0:
+                    break
+                got: _Pending[T, R] | None = None
+                with anyio.move_on_after(remaining):
+                    got = await receive.receive()
+                if got is None:
+                    break
+                item = got
+            except anyio.EndOfStream:
+                return True
+            if item.state == _QUEUED:
+                batch.append(item)
+        return True
+
+    async def _dispatch(self, batch: list[_Pending[T, R]]) -> None:
+        live = [p for p in batch if p.state == _QUEUED]
+        if not live:
+            return
+        now = time.perf_counter()
+        for p in live:
+            p.state = _RUNNING
+        self.stats.queue_changed(-len(live))
+        waits = [now - p.enqueued_at for p in live]
+        started = time.perf_counter()
+        await self._execute(live)
+        self.stats.record_batch(len(live), waits, time.perf_counter() - started)
+
+    async def _execute(self, pendings: list[_Pending[T, R]]) -> None:
+        items = [p.item for p in pendings]
+        try:
+            results = await anyio.to_thread.run_sync(self._call, items, limiter=self._limiter)
+        except Exception as exc:
+            if len(pendings) == 1:
+                self.stats.record_error(type(exc).__name__)
+                pendings[0].resolve(error=exc)
+                return
+            # Split to isolate the failing items (LitServe #340): only they get the error.
+            log.warning(
+                "%s: batch of %d failed (%r); bisecting", self.name, len(pendings), exc
+            )
+            middle = len(pendings) // 2
+            await self._execute(pendings[:middle])
+            await self._execute(pendings[middle:])
+            return
+        for p, result in zip(pendings, results, strict=True):
+            p.resolve(result)
+
+    def _call(self, items: list[T]) -> Sequence[R]:
+        results = self.batch_fn(items)
+        if len(results) != len(items):
+            raise RuntimeError(
+                f"{self.name}: batch function returned {len(results)} results for {len(items)} items"
+            )
+        return results
+
+
+class Reservation(Generic[T, R]):
+    """A place in a scheduler, taken by :meth:`BatchScheduler.reserve` before the item exists."""
+
+    __slots__ = ("_scheduler", "used")
+
+    def __init__(self, scheduler: BatchScheduler[T, R]) -> None:
+        self._scheduler = scheduler
+        self.used = False
+
+    async def submit(self, item: T, *, timeout: float | None = None) -> R:
+        if self.used:
+            raise RuntimeError("a reservation submits one item")
+        self.used = True
+        self._scheduler._incoming -= 1
+        return await self._scheduler._enqueue_and_wait(item, timeout)

@@ -1,0 +1,108 @@
+"""The exceptions every backend raises.
+
+Each class carries the RFC 9457 problem ``type`` slug and the HTTP status the microservice
+answers with, so the server can render it and :class:`~histoinfer.HttpClient` can map a
+problem+json body back to the very same class and message that :class:`InProcessClient` raises.
+This module imports nothing else of ours: it is part of the contract.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ClientClosedError",
+    "DeadlineExceededError",
+    "InferenceError",
+    "InvalidRequestError",
+    "ModelExecutionError",
+    "OverloadedError",
+    "UnsupportedModeError",
+    "error_for_problem_type",
+]
+
+PROBLEM_TYPE_PREFIX = "https://histoinfer.dev/problems/"
+
+
+class InferenceError(Exception):
+    """Base of every error histoinfer raises on purpose."""
+
+    problem_slug = "inference-error"
+    title = "Inference error"
+    http_status = 500
+
+    @classmethod
+    def problem_type(cls) -> str:
+        return PROBLEM_TYPE_PREFIX + cls.problem_slug
+
+
+class InvalidRequestError(InferenceError):
+    """Bad JSON, a schema violation, an undecodable image, sizes that do not match."""
+
+    problem_slug = "invalid-request"
+    title = "Invalid request"
+    http_status = 422
+
+
+class UnsupportedModeError(InvalidRequestError):
+    """The model does not offer this mode (or this input, e.g. ``bulk_rna``)."""
+
+    problem_slug = "unsupported-mode"
+    title = "Unsupported mode"
+    http_status = 400
+
+
+class ModelExecutionError(InferenceError):
+    """The forward pass failed for this sample."""
+
+    problem_slug = "model-execution"
+    title = "Model execution failed"
+    http_status = 500
+
+
+class OverloadedError(InferenceError):
+    """The queue is full, or the service is shedding load; try again later."""
+
+    problem_slug = "overloaded"
+    title = "Overloaded"
+    http_status = 503
+
+
+class DeadlineExceededError(OverloadedError):
+    """The request was not dispatched to the model before its deadline."""
+
+    problem_slug = "deadline-exceeded"
+    title = "Deadline exceeded"
+    http_status = 503
+
+
+class ClientClosedError(InferenceError):
+    """The client (or the server) is closed or closing and takes no new work."""
+
+    problem_slug = "closed"
+    title = "Closed"
+    http_status = 503
+
+
+_ALL: tuple[type[InferenceError], ...] = (
+    InferenceError,
+    InvalidRequestError,
+    UnsupportedModeError,
+    ModelExecutionError,
+    OverloadedError,
+    DeadlineExceededError,
+    ClientClosedError,
+)
+
+
+def error_for_problem_type(problem_type: str | None, status: int) -> type[InferenceError]:
+    """The exception class for a problem+json ``type``, falling back on the HTTP status."""
+    for cls in _ALL:
+        if problem_type == cls.problem_type():
+            return cls
+    by_status: dict[int, type[InferenceError]] = {
+        400: UnsupportedModeError,
+        404: InvalidRequestError,
+        413: InvalidRequestError,
+        422: InvalidRequestError,
+        503: OverloadedError,
+    }
+    return by_status.get(status, InferenceError)

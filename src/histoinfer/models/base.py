@@ -1,0 +1,214 @@
+"""``ServerModel``: one loaded model on one device, knowing nothing of clients or transports.
+
+It turns a validated :class:`ModelRequest` into a ``uint8`` tile tensor (``prepare_sample``, on
+the CPU, thread-safe), runs a stacked batch of them (``forward_batch``, on the device), and turns
+one sample's output back into a :class:`ModelResponse` (``postprocess``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar, Self
+
+import torch
+
+from ..errors import InvalidRequestError, UnsupportedModeError
+from ..schema import MODES, Mode, ModelMetadata, ModelRequest, ModelResponse
+from .assets import ModelAssets, load_assets
+from .checkpoint import CheckpointError, LoadedCheckpoint, load_checkpoint
+from .imaging import decode_tile
+
+__all__ = ["BatchOutput", "SampleOutput", "ServerModel"]
+
+
+@dataclass(frozen=True, slots=True)
+class SampleOutput:
+    """One sample's share of a batch output, as plain floats (ready to serialize)."""
+
+    predictions: list[float] | None
+    embedding: list[float] | None
+
+
+@dataclass(frozen=True, slots=True)
+class BatchOutput:
+    """A forward pass's result for a batch: ``[B, G]`` predictions and/or ``[B, D]`` embedding."""
+
+    predictions: torch.Tensor | None
+    embedding: torch.Tensor | None
+
+    def __len__(self) -> int:
+        tensor = self.predictions if self.predictions is not None else self.embedding
+        return 0 if tensor is None else int(tensor.shape[0])
+
+    def split(self) -> list[SampleOutput]:
+        # One .tolist() per tensor for the whole batch: far cheaper than one per sample.
+        preds = self.predictions.tolist() if self.predictions is not None else None
+        embs = self.embedding.tolist() if self.embedding is not None else None
+        return [
+            SampleOutput(
+                predictions=preds[i] if preds is not None else None,
+                embedding=embs[i] if embs is not None else None,
+            )
+            for i in range(len(self))
+        ]
+
+
+class ServerModel:
+    """A tile model whose program maps a normalized float batch to ``(predictions, embedding)``.
+
+    Subclass it (and :func:`~histoinfer.register_model` the subclass) to serve another model;
+    override ``forward_batch`` if your program's outputs differ.
+    """
+
+    #: Modes this model serves; others raise :class:`UnsupportedModeError`.
+    modes: ClassVar[tuple[Mode, ...]] = MODES
+    #: Limits on one tile's encoded size and decoded pixel count.
+    max_image_bytes: ClassVar[int] = 32 * 1024 * 1024
+    max_image_pixels: ClassVar[int] = 4096 * 4096
+
+    def __init__(self, checkpoint: LoadedCheckpoint, assets: ModelAssets, device: str = "cpu"):
+        self.checkpoint = checkpoint
+        self.assets = assets
+        self.device = torch.device(device)
+        mean = torch.tensor(assets.mean, dtype=torch.float32).view(1, 3, 1, 1)
+        std = torch.tensor(assets.std, dtype=torch.float32).view(1, 3, 1, 1)
+        # (x / 255 - mean) / std  ==  x * scale + shift: one fused pass over the batch.
+        self._scale = (1.0 / (255.0 * std)).to(self.device)
+        self._shift = (-mean / std).to(self.device)
+        self._metadata = self._build_metadata()
+        self._check_outputs()
+
+    @classmethod
+    def from_files(
+        cls,
+        checkpoint_path: str | Path,
+        device: str = "cpu",
+        assets_dir: str | Path | None = None,
+    ) -> Self:
+        """Load a ``.pt2`` and its ``model.json`` (by default from the checkpoint's folder)."""
+        checkpoint_path = Path(checkpoint_path).expanduser()
+        assets = load_assets(assets_dir if assets_dir is not None else checkpoint_path.parent)
+        return cls(load_checkpoint(checkpoint_path, device), assets, device)
+
+    # -- the four steps -------------------------------------------------------------------
+
+    def metadata(self) -> ModelMetadata:
+        return self._metadata
+
+    def check_request(self, request: ModelRequest, mode: Mode, where: str) -> None:
+        """Reject what this model cannot serve, before any decoding."""
+        if mode not in self.modes:
+            raise UnsupportedModeError(
+                f"model {self.assets.name!r} does not support mode {mode!r} "
+                f"(supported: {', '.join(self.modes)})"
+            )
+        if request.bulk_rna is not None and not self.assets.accepts_bulk_rna:
+            raise UnsupportedModeError(
+                f"invalid request {where}: field 'bulk_rna': model {self.assets.name!r} "
+                "does not take bulk RNA input; omit the field"
+            )
+
+    def prepare_sample(self, request: ModelRequest, where: str | None = None) -> torch.Tensor:
+        """Decode one tile to a ``uint8`` tensor ``[3, T, T]`` on the CPU. Thread-safe."""
+        return decode_tile(
+            request.image_data,
+            width=request.width,
+            height=request.height,
+            tile_size=self.assets.tile_size,
+            interpolation=self.assets.interpolation,
+            max_image_bytes=self.max_image_bytes,
+            max_image_pixels=self.max_image_pixels,
+            where=where if where is not None else f"for {request.where()}",
+        )
+
+    def forward_batch(self, batch: torch.Tensor, mode: Mode) -> BatchOutput:
+        """Run a stacked ``uint8`` batch ``[B, 3, T, T]`` through the model on its device."""
+        # inference_mode is thread-local, and forward passes run on reused worker threads.
+        with torch.inference_mode():
+            x = batch.to(self.device, non_blocking=True).float().mul_(self._scale).add_(self._shift)
+            predictions, embedding = self._run_program(x)
+            return BatchOutput(
+                predictions=predictions.float().cpu() if mode != "embed" else None,
+                embedding=embedding.float().cpu() if mode != "predict" else None,
+            )
+
+    def postprocess(self, request: ModelRequest, output: SampleOutput, mode: Mode) -> ModelResponse:
+        values = output.embedding if mode == "embed" else output.predictions
+        if values is None:
+            raise InvalidRequestError(f"model {self.assets.name!r} gave no output for mode {mode!r}")
+        # model_construct: the values come from our own tensors, validating them again is waste.
+        return ModelResponse.model_construct(
+            output=values,
+            slide_name=request.slide_name,
+            x=request.x,
+            y=request.y,
+            width=request.width,
+            height=request.height,
+            tissue_ratio=request.tissue_ratio,
+            patch_idx=request.patch_idx,
+            resolution=request.resolution,
+            embedding=output.embedding if mode == "predict_with_embedding" else None,
+        )
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _run_program(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        result = self.checkpoint.program(x)
+        if not isinstance(result, Sequence) or len(result) != 2:
+            raise CheckpointError(
+                f"checkpoint {self.checkpoint.path} must return (predictions, embedding), "
+                f"got {type(result).__name__}"
+            )
+        return result[0], result[1]
+
+    def _check_outputs(self) -> None:
+        """One forward pass at load time: a mismatched checkpoint fails now, naming the file."""
+        size = self.assets.tile_size
+        probe = torch.zeros(2, 3, size, size, dtype=torch.uint8)
+        try:
+            out = self.forward_batch(probe, "predict_with_embedding")
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise CheckpointError(
+                f"checkpoint {self.checkpoint.path} failed on a [2, 3, {size}, {size}] probe batch: "
+                f"{(str(exc).strip().splitlines() or [type(exc).__name__])[0]}"
+            ) from exc
+        expected = {
+            "predictions": (2, len(self.assets.gene_names)),
+            "embedding": (2, self.assets.embedding_size),
+        }
+        got = {"predictions": out.predictions, "embedding": out.embedding}
+        for name, shape in expected.items():
+            tensor = got[name]
+            if tensor is None or tuple(tensor.shape) != shape:
+                actual = None if tensor is None else tuple(tensor.shape)
+                raise CheckpointError(
+                    f"checkpoint {self.checkpoint.path} returns {name} of shape {actual}, but its "
+                    f"assets (model.json) describe {shape}"
+                )
+
+    def _build_metadata(self) -> ModelMetadata:
+        a = self.assets
+        return ModelMetadata(
+            name=a.name,
+            version=a.version,
+            task=a.task,
+            tile_size=a.tile_size,
+            resolution=a.resolution,
+            mean=a.mean,
+            std=a.std,
+            interpolation=a.interpolation,
+            modes=list(self.modes),
+            gene_names=a.gene_names,
+            output_size=len(a.gene_names),
+            embedding_size=a.embedding_size,
+            accepts_bulk_rna=a.accepts_bulk_rna,
+            trained=a.trained,
+            description=a.description,
+            checkpoint_sha256=self.checkpoint.sha256,
+            checkpoint_kind=self.checkpoint.kind,
+            device=str(self.device),
+        )

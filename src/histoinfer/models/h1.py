@@ -1,0 +1,104 @@
+"""``h1``: the gene-expression tile model, and the builder of its reference checkpoints.
+
+The reference checkpoints carry **seeded, untrained weights**: they exercise the real
+architecture, file format and pipeline end to end, but their predictions are not biology. A
+user's own trained ``.pt2`` (same input/output contract) plugs in the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .assets import ASSETS_FILE, ModelAssets
+from .base import ServerModel
+from .genes import REFERENCE_GENE_PANEL
+from .registry import register_model
+from .vit import VIT_SIZES, GeneViT
+
+__all__ = ["H1ServerModel", "ReferenceExport", "export_reference_h1", "reference_assets"]
+
+IMAGENET_MEAN = [0.485, 0.456, 0.406]
+IMAGENET_STD = [0.229, 0.224, 0.225]
+REFERENCE_SEED = 20241129
+CHECKPOINT_FILE = "model.pt2"
+AOTI_CHECKPOINT_FILE = "model-aoti.pt2"
+UNTRAINED_NOTE = (
+    "Reference checkpoint with seeded, UNTRAINED weights: the real h1 architecture and file "
+    "format, for exercising the pipeline. Its predictions are not biologically meaningful."
+)
+
+
+@register_model("h1")
+class H1ServerModel(ServerModel):
+    """Gene expression from a 224x224 H&E tile at 0.5 µm/px, plus the tile embedding."""
+
+
+def reference_assets(size: str) -> ModelAssets:
+    config = VIT_SIZES[size]
+    return ModelAssets(
+        name="h1",
+        version=f"0.1.0-reference-{size}",
+        task="gene-expression",
+        tile_size=config.tile_size,
+        resolution=0.5,
+        mean=IMAGENET_MEAN,
+        std=IMAGENET_STD,
+        interpolation="bilinear",
+        gene_names=list(REFERENCE_GENE_PANEL),
+        embedding_size=config.dim,
+        trained=False,
+        description=UNTRAINED_NOTE,
+        architecture={"family": "vit", "size": size, "seed": REFERENCE_SEED, **config.as_dict()},
+    )
+
+
+@dataclass(frozen=True)
+class ReferenceExport:
+    checkpoint: Path
+    assets: Path
+    aoti_checkpoint: Path | None
+    seconds: float
+
+
+def build_reference_module(size: str) -> GeneViT:
+    if size not in VIT_SIZES:
+        raise ValueError(f"unknown size {size!r}; choose from {', '.join(VIT_SIZES)}")
+    module = GeneViT(VIT_SIZES[size], num_genes=len(REFERENCE_GENE_PANEL))
+    return module.init_seeded(REFERENCE_SEED).eval()
+
+
+def export_reference_h1(size: str, out_dir: str | Path, *, aoti: bool = False) -> ReferenceExport:
+    """Write ``model.pt2`` (torch.export), ``model.json`` and, with ``aoti``, ``model-aoti.pt2``."""
+    start = time.perf_counter()
+    out = Path(out_dir).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    module = build_reference_module(size)
+    tile = module.config.tile_size
+    # An example batch of 2: with a batch of 1, torch.export would freeze the batch size.
+    example = torch.zeros(2, 3, tile, tile)
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        program = torch.export.export(module, (example,), dynamic_shapes={"x": {0: batch}})
+        checkpoint = out / CHECKPOINT_FILE
+        # Write beside, then rename: a half-written checkpoint is never picked up.
+        partial = out / "model.partial.pt2"
+        torch.export.save(program, str(partial))
+        partial.replace(checkpoint)
+        aoti_path = None
+        if aoti:
+            import torch._inductor as inductor
+
+            aoti_path = out / AOTI_CHECKPOINT_FILE
+            partial = out / "model-aoti.partial.pt2"
+            inductor.aoti_compile_and_package(program, package_path=str(partial))
+            partial.replace(aoti_path)
+    assets_path = out / ASSETS_FILE
+    assets_path.write_text(json.dumps(reference_assets(size).model_dump(), indent=2) + "\n")
+    return ReferenceExport(checkpoint, assets_path, aoti_path, time.perf_counter() - start)
