@@ -4,4 +4,11 @@ from .perloop import PerLoop, current_loop_key
 from .scheduler import BatchScheduler, Reservation
 from .stats import BatchStats, StatsSnapshot
 
-__all__ = ["BatchScheduler", "BatchStats", "PerLoop", "Reservation", "StatsSnapshot", "current_loop_key"]
+__all__ = [
+    "BatchScheduler",
+    "BatchStats",
+    "PerLoop",
+    "Reservation",
+    "StatsSnapshot",
+    "current_loop_key",
+]

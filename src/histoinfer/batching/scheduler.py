@@ -29,6 +29,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Generic, TypeVar
 
 import anyio
@@ -265,7 +266,8 @@ class BatchScheduler(Generic[T, R]):
                     await self._dispatch(batch)
                 except Exception as exc:  # a bug of ours: fail what we hold, keep serving
                     log.exception("%s: scheduler error; failing %d requests", self.name, len(batch))
-                    self._fail(batch, lambda: InferenceError(f"{self.name}: scheduler error: {exc!r}"))
+                    message = f"{self.name}: scheduler error: {exc!r}"
+                    self._fail(batch, partial(InferenceError, message))
                     more = True
                 if not more:
                     return
@@ -294,7 +296,9 @@ class BatchScheduler(Generic[T, R]):
     def _closed_error(self) -> InferenceError:
         return ClientClosedError(f"{self.name}: the event loop or scheduler shut down")
 
-    def _fail(self, pendings: list[_Pending[T, R]], make_error: Callable[[], BaseException]) -> None:
+    def _fail(
+        self, pendings: list[_Pending[T, R]], make_error: Callable[[], BaseException]
+    ) -> None:
         for p in pendings:
             if p.state in (_QUEUED, _RUNNING):
                 if p.state == _QUEUED:
@@ -365,9 +369,7 @@ class BatchScheduler(Generic[T, R]):
                 pendings[0].resolve(error=exc)
                 return
             # Split to isolate the failing items (LitServe #340): only they get the error.
-            log.warning(
-                "%s: batch of %d failed (%r); bisecting", self.name, len(pendings), exc
-            )
+            log.warning("%s: batch of %d failed (%r); bisecting", self.name, len(pendings), exc)
             middle = len(pendings) // 2
             await self._execute(pendings[:middle])
             await self._execute(pendings[middle:])
@@ -379,7 +381,8 @@ class BatchScheduler(Generic[T, R]):
         results = self.batch_fn(items)
         if len(results) != len(items):
             raise RuntimeError(
-                f"{self.name}: batch function returned {len(results)} results for {len(items)} items"
+                f"{self.name}: batch function returned {len(results)} results "
+                f"for {len(items)} items"
             )
         return results
 

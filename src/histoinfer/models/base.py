@@ -97,13 +97,16 @@ class ServerModel:
     def metadata(self) -> ModelMetadata:
         return self._metadata
 
-    def check_request(self, request: ModelRequest, mode: Mode, where: str) -> None:
-        """Reject what this model cannot serve, before any decoding."""
+    def check_mode(self, mode: Mode) -> None:
         if mode not in self.modes:
             raise UnsupportedModeError(
                 f"model {self.assets.name!r} does not support mode {mode!r} "
                 f"(supported: {', '.join(self.modes)})"
             )
+
+    def check_request(self, request: ModelRequest, mode: Mode, where: str) -> None:
+        """Reject what this model cannot serve, before any decoding."""
+        self.check_mode(mode)
         if request.bulk_rna is not None and not self.assets.accepts_bulk_rna:
             raise UnsupportedModeError(
                 f"invalid request {where}: field 'bulk_rna': model {self.assets.name!r} "
@@ -137,7 +140,9 @@ class ServerModel:
     def postprocess(self, request: ModelRequest, output: SampleOutput, mode: Mode) -> ModelResponse:
         values = output.embedding if mode == "embed" else output.predictions
         if values is None:
-            raise InvalidRequestError(f"model {self.assets.name!r} gave no output for mode {mode!r}")
+            raise InvalidRequestError(
+                f"model {self.assets.name!r} gave no output for mode {mode!r}"
+            )
         # model_construct: the values come from our own tensors, validating them again is waste.
         return ModelResponse.model_construct(
             output=values,
@@ -173,7 +178,8 @@ class ServerModel:
             raise
         except Exception as exc:
             raise CheckpointError(
-                f"checkpoint {self.checkpoint.path} failed on a [2, 3, {size}, {size}] probe batch: "
+                f"checkpoint {self.checkpoint.path} failed on a [2, 3, {size}, {size}] "
+                f"probe batch: "
                 f"{(str(exc).strip().splitlines() or [type(exc).__name__])[0]}"
             ) from exc
         expected = {

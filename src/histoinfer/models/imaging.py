@@ -81,7 +81,9 @@ def decode_tile(
         try:
             image.load()
         except Exception as exc:
-            raise invalid(f"image data is corrupt or truncated ({type(exc).__name__}: {exc})") from None
+            raise invalid(
+                f"image data is corrupt or truncated ({type(exc).__name__}: {exc})"
+            ) from None
         rgb = image if image.mode == "RGB" else image.convert("RGB")
         if rgb.size != (tile_size, tile_size):
             rgb = rgb.resize((tile_size, tile_size), _RESAMPLE[interpolation])

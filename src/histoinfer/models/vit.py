@@ -58,7 +58,8 @@ class _Block(nn.Module):
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
         attn = F.scaled_dot_product_attention(q, k, v)
         x = x + self.proj(attn.transpose(1, 2).reshape(b, n, d))
-        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+        out: torch.Tensor = x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+        return out
 
 
 class GeneViT(nn.Module):

@@ -1,0 +1,61 @@
+"""histoinfer: computational-pathology tile models behind one client API.
+
+The contract (schema, errors, the ``Client`` protocol) imports eagerly and cheaply. Everything
+heavy is imported on first use, so ``from histoinfer import HttpClient`` never imports torch and
+``from histoinfer import InProcessClient`` never imports a web framework.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .protocol import Client
+from .schema import ModelMetadata, ModelRequest, ModelResponse
+
+if TYPE_CHECKING:
+    from .batching import BatchScheduler
+    from .clients.http import HttpClient
+    from .clients.inprocess import InProcessClient
+    from .models import ServerModel, available_models, build_server_model, register_model
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BatchScheduler",
+    "Client",
+    "HttpClient",
+    "InProcessClient",
+    "ModelMetadata",
+    "ModelRequest",
+    "ModelResponse",
+    "ServerModel",
+    "__version__",
+    "available_models",
+    "build_server_model",
+    "register_model",
+]
+
+_LAZY = {
+    "BatchScheduler": "histoinfer.batching",
+    "HttpClient": "histoinfer.clients.http",
+    "InProcessClient": "histoinfer.clients.inprocess",
+    "ServerModel": "histoinfer.models",
+    "available_models": "histoinfer.models",
+    "build_server_model": "histoinfer.models",
+    "register_model": "histoinfer.models",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'histoinfer' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module_name), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

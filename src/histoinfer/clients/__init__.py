@@ -1,0 +1,1 @@
+"""Client backends. ``inprocess`` needs torch; ``http`` needs only httpx (imported lazily)."""

@@ -1,0 +1,448 @@
+"""``InProcessClient``: the ``Client`` protocol with the model in the caller's process.
+
+One request's path, top to bottom:
+
+    body (JSON str) -> parse + check + decode   [worker thread, bounded]   (_prepare)
+                    -> BatchScheduler of this loop and mode             (dynamic mode)
+                    -> stack + forward + split  [forward thread, device lock] (_forward)
+                    -> postprocess + JSON       [caller]                  (_finish)
+
+The microservice runs this same client, so in-process and remote behave the same by construction.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Coroutine
+from functools import partial
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal, Self, TypeVar
+
+import anyio
+import anyio.from_thread
+import anyio.to_thread
+import sniffio
+import torch
+from anyio._core._eventloop import threadlocals as _anyio_threadlocals
+
+from ..batching import BatchScheduler, BatchStats, PerLoop, StatsSnapshot
+from ..errors import (
+    ClientClosedError,
+    InferenceError,
+    InvalidRequestError,
+    ModelExecutionError,
+)
+from ..models.base import SampleOutput, ServerModel
+from ..models.registry import build_server_model
+from ..schema import MODES, BatchingSettings, Mode, ModelRequest, locate, parse_request
+from .portal import PortalThread
+
+__all__ = ["InProcessClient"]
+
+log = logging.getLogger("histoinfer.client")
+T = TypeVar("T")
+
+Prepared = tuple[ModelRequest, torch.Tensor]
+
+# One forward pass at a time per device, across every loop, thread and client (SPEC §5).
+_DEVICE_LOCKS: dict[str, threading.Lock] = {}
+_DEVICE_LOCKS_GUARD = threading.Lock()
+
+
+def device_lock(device: torch.device) -> threading.Lock:
+    with _DEVICE_LOCKS_GUARD:
+        return _DEVICE_LOCKS.setdefault(str(device), threading.Lock())
+
+
+class _LoopState:
+    """What one event loop needs: its schedulers (one per mode) and its thread limiters.
+
+    asyncio primitives bind to the first loop that waits on them, so nothing here is shared
+    between loops; only thread-safe things (the device lock, the stats) are.
+    """
+
+    def __init__(self, client: InProcessClient, key: object) -> None:
+        self.prepare_limiter = anyio.CapacityLimiter(client.prepare_threads)
+        self.forward_limiter = anyio.CapacityLimiter(1)
+        self.schedulers: dict[Mode, BatchScheduler[torch.Tensor, SampleOutput]] = {}
+        self._client = weakref.ref(client)
+        self._key = key
+
+    def scheduler(self, mode: Mode) -> BatchScheduler[torch.Tensor, SampleOutput]:
+        scheduler = self.schedulers.get(mode)
+        if scheduler is None:
+            client = self._client()
+            if client is None:  # pragma: no cover
+                raise ClientClosedError("the client was garbage-collected")
+            loops = client._loops
+            key = self._key
+            scheduler = self.schedulers[mode] = BatchScheduler(
+                partial(client._forward, mode=mode),
+                max_batch_size=client.max_batch_size,
+                max_wait_ms=client.max_wait_ms,
+                max_queue=client.max_queue,
+                limiter=self.forward_limiter,
+                stats=client._stats[mode],
+                name=f"{client._model_name}:{mode}",
+                on_exit=lambda: loops.discard(key),
+            )
+        return scheduler
+
+
+class InProcessClient:
+    """Runs a :class:`ServerModel` in this process; implements the whole ``Client`` protocol.
+
+    Args:
+        server_model: a loaded model (see :func:`~histoinfer.build_server_model`).
+        max_batch_size: most tiles per forward pass (dynamic batching and ``*_batch`` chunks).
+        max_wait_ms: longest a queued tile waits for company before its batch is dispatched.
+        dynamic_batching: batch concurrent ``*_async`` calls (default); if False, async calls
+            run at batch size 1 and batching is the caller's, through ``*_batch``.
+
+    Tuning (keyword-only):
+        max_queue: most requests admitted per loop and mode (preparing, queued or running).
+            In-process callers wait for room; ``overload="reject"`` raises
+            :class:`~histoinfer.errors.OverloadedError` instead (the server answers 503).
+        prepare_threads: worker threads per loop for parsing and decoding.
+        request_timeout: seconds a request may wait for dispatch before
+            :class:`~histoinfer.errors.DeadlineExceededError`; ``None`` waits as long as needed.
+    """
+
+    def __init__(
+        self,
+        server_model: ServerModel,
+        *,
+        max_batch_size: int = 64,
+        max_wait_ms: float = 5.0,
+        dynamic_batching: bool = True,
+        max_queue: int | None = 4096,
+        prepare_threads: int | None = None,
+        request_timeout: float | None = None,
+        overload: Literal["wait", "reject"] = "wait",
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if max_wait_ms < 0:
+            raise ValueError(f"max_wait_ms must be >= 0, got {max_wait_ms}")
+        if overload not in ("wait", "reject"):
+            raise ValueError(f"overload must be 'wait' or 'reject', got {overload!r}")
+        self.server_model = server_model
+        self.max_batch_size = max_batch_size
+        self.max_wait_ms = float(max_wait_ms)
+        self.dynamic_batching = dynamic_batching
+        self.max_queue = max_queue
+        self.prepare_threads = prepare_threads or max(2, os.cpu_count() or 2)
+        self.request_timeout = request_timeout
+        self._wait_for_room = overload == "wait"
+        self._model_name = server_model.metadata().name
+        self._device_lock = device_lock(server_model.device)
+        self._stats = {mode: BatchStats() for mode in MODES}
+        self._loops: PerLoop[_LoopState] = PerLoop(partial(_LoopState, self))
+        self._closed = False
+        self._active = 0
+        self._idle = threading.Condition()
+        self._portal: PortalThread | None = None
+        self._portal_lock = threading.Lock()
+        self._portal_finalizer: weakref.finalize[Any, Any] | None = None
+        metadata = server_model.metadata().model_copy(
+            update={
+                "batching": BatchingSettings(
+                    dynamic_batching=dynamic_batching,
+                    max_batch_size=max_batch_size,
+                    max_wait_ms=self.max_wait_ms,
+                    max_queue=max_queue,
+                )
+            }
+        )
+        self._metadata_json = metadata.model_dump_json()
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        model: str,
+        checkpoint_path: str | Path,
+        device: str = "cpu",
+        assets_dir: str | Path | None = None,
+        max_batch_size: int = 64,
+        max_wait_ms: float = 5.0,
+        dynamic_batching: bool = True,
+        **tuning: Any,
+    ) -> InProcessClient:
+        """Load ``checkpoint_path`` as registry key ``model`` and wrap it in a client."""
+        server_model = build_server_model(model, checkpoint_path, device, assets_dir)
+        return cls(
+            server_model,
+            max_batch_size=max_batch_size,
+            max_wait_ms=max_wait_ms,
+            dynamic_batching=dynamic_batching,
+            **tuning,
+        )
+
+    # -- Client protocol: async --------------------------------------------------------------
+
+    async def predict_async(self, body: str, session: object | None = None) -> str:
+        return await self._infer(body, "predict")
+
+    async def embed_async(self, body: str, session: object | None = None) -> str:
+        return await self._infer(body, "embed")
+
+    async def predict_with_embedding_async(self, body: str, session: object | None = None) -> str:
+        return await self._infer(body, "predict_with_embedding")
+
+    # -- Client protocol: sync (thin anyio.from_thread wrappers) ----------------------------
+
+    def predict(self, body: str) -> str:
+        return self._run_sync(self.predict_async, body)
+
+    def embed(self, body: str) -> str:
+        return self._run_sync(self.embed_async, body)
+
+    def predict_with_embedding(self, body: str) -> str:
+        return self._run_sync(self.predict_with_embedding_async, body)
+
+    def metadata(self) -> str:
+        return self._metadata_json
+
+    # -- Client protocol: explicit batches ---------------------------------------------------
+
+    def predict_batch(self, bodies: list[str]) -> list[str]:
+        return self._run_explicit(bodies, "predict")
+
+    def embed_batch(self, bodies: list[str]) -> list[str]:
+        return self._run_explicit(bodies, "embed")
+
+    def predict_with_embedding_batch(self, bodies: list[str]) -> list[str]:
+        return self._run_explicit(bodies, "predict_with_embedding")
+
+    # -- observability -----------------------------------------------------------------------
+
+    def stats(self) -> dict[Mode, StatsSnapshot]:
+        """Per mode: batches, samples, batch-size histogram, queue wait and forward percentiles."""
+        return {mode: stats.snapshot() for mode, stats in self._stats.items()}
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Finish the work in flight, refuse new calls, and release the portal thread."""
+        self._closed = True
+        if _running_loop_here():
+            # Waiting here would block the very loop whose requests we wait for (a notebook
+            # cell): those finish on their own; we only refuse new ones.
+            log.debug("close() on a thread with a running loop: not waiting for in-flight work")
+        else:
+            self._wait_idle()
+        self._stop_portal()
+
+    async def aclose(self) -> None:
+        self._closed = True
+        # Wait in a thread: this loop must keep running its own in-flight requests meanwhile.
+        await anyio.to_thread.run_sync(self._wait_idle)
+        await anyio.to_thread.run_sync(self._stop_portal)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        mode = "dynamic" if self.dynamic_batching else "explicit"
+        return (
+            f"<InProcessClient {self._model_name!r} on {self.server_model.device} "
+            f"{mode} max_batch_size={self.max_batch_size} max_wait_ms={self.max_wait_ms}"
+            f"{' closed' if self._closed else ''}>"
+        )
+
+    # -- the pipeline ------------------------------------------------------------------------
+
+    def _prepare(self, body: str, mode: Mode, position: int | None = None) -> Prepared:
+        """JSON -> validated request -> uint8 tile tensor. Thread-safe, CPU only."""
+        request = parse_request(body, position)
+        where = f"{locate(position).lstrip()} for {request.where()}".strip()
+        self.server_model.check_request(request, mode, where)
+        return request, self.server_model.prepare_sample(request, where)
+
+    def _forward(self, tiles: list[torch.Tensor], mode: Mode) -> list[SampleOutput]:
+        """Stack, run on the device (one pass at a time per device), split per sample."""
+        batch = torch.stack(tiles)
+        with self._device_lock:
+            output = self.server_model.forward_batch(batch, mode)
+        samples = output.split()
+        if len(samples) != len(tiles):
+            raise RuntimeError(f"forward_batch returned {len(samples)} rows for {len(tiles)} tiles")
+        return samples
+
+    def _finish(self, request: ModelRequest, output: SampleOutput, mode: Mode) -> str:
+        return self.server_model.postprocess(request, output, mode).model_dump_json()
+
+    async def _infer(self, body: str, mode: Mode) -> str:
+        self._enter()
+        try:
+            state = self._loops.get()
+            if self.dynamic_batching:
+                scheduler = state.scheduler(mode)
+                async with scheduler.reserve(wait=self._wait_for_room) as slot:
+                    request, tile = await anyio.to_thread.run_sync(
+                        self._prepare, body, mode, limiter=state.prepare_limiter
+                    )
+                    try:
+                        output = await slot.submit(tile, timeout=self.request_timeout)
+                    except InferenceError:
+                        raise
+                    except Exception as exc:
+                        raise _execution_error(request, exc) from exc
+            else:
+                request, tile = await anyio.to_thread.run_sync(
+                    self._prepare, body, mode, limiter=state.prepare_limiter
+                )
+                started = time.perf_counter()
+                try:
+                    [output] = await anyio.to_thread.run_sync(
+                        self._forward, [tile], mode, limiter=state.forward_limiter
+                    )
+                except Exception as exc:
+                    self._stats[mode].record_error(type(exc).__name__)
+                    raise _execution_error(request, exc) from exc
+                self._stats[mode].record_batch(1, [0.0], time.perf_counter() - started)
+            return self._finish(request, output, mode)
+        finally:
+            self._exit()
+
+    def _run_explicit(self, bodies: list[str], mode: Mode) -> list[str]:
+        self._enter()
+        try:
+            if not isinstance(bodies, list):
+                raise InvalidRequestError(
+                    f"bodies must be a list of JSON strings, got {type(bodies).__name__}"
+                )
+            self.server_model.check_mode(mode)
+            prepared: list[Prepared] = []
+            problems: list[str] = []
+            for position, body in enumerate(bodies):
+                try:
+                    prepared.append(self._prepare(body, mode, position))
+                except InvalidRequestError as exc:
+                    problems.append(str(exc))
+            if problems:
+                raise InvalidRequestError(
+                    f"{len(problems)} of {len(bodies)} requests are invalid, nothing was "
+                    f"computed: " + "; ".join(problems)
+                )
+            responses: list[str] = []
+            for start in range(0, len(prepared), self.max_batch_size):
+                chunk = prepared[start : start + self.max_batch_size]
+                outputs = self._forward_chunk(chunk, mode, start)
+                responses.extend(
+                    self._finish(request, output, mode)
+                    for (request, _), output in zip(chunk, outputs, strict=True)
+                )
+            return responses
+        finally:
+            self._exit()
+
+    def _forward_chunk(self, chunk: list[Prepared], mode: Mode, offset: int) -> list[SampleOutput]:
+        stats = self._stats[mode]
+        started = time.perf_counter()
+        try:
+            outputs = self._forward([tile for _, tile in chunk], mode)
+        except Exception as exc:
+            stats.record_error(type(exc).__name__)
+            raise self._isolate_failures(chunk, mode, offset, exc) from exc
+        stats.record_batch(len(chunk), [0.0] * len(chunk), time.perf_counter() - started)
+        return outputs
+
+    def _isolate_failures(
+        self, chunk: list[Prepared], mode: Mode, offset: int, exc: Exception
+    ) -> ModelExecutionError:
+        """Re-run a failed chunk tile by tile, to name exactly the positions that fail."""
+        failing = []
+        for i, (request, tile) in enumerate(chunk):
+            try:
+                self._forward([tile], mode)
+            except Exception as single:
+                failing.append(f"batch position {offset + i} ({request.where()}): {single!r}")
+        if not failing:
+            return ModelExecutionError(
+                f"forward pass failed for the batch at positions "
+                f"{offset}-{offset + len(chunk) - 1} but every tile succeeds alone: {exc!r}"
+            )
+        return ModelExecutionError("forward pass failed for " + "; ".join(failing))
+
+    # -- sync bridge and bookkeeping ---------------------------------------------------------
+
+    def _run_sync(self, fn: Callable[[str], Coroutine[Any, Any, T]], body: str) -> T:
+        if getattr(_anyio_threadlocals, "current_token", None) is not None:
+            # In an anyio worker thread: run in the host loop, and batch with it.
+            return anyio.from_thread.run(fn, body)
+        if self._closed:
+            raise ClientClosedError("the client is closed")
+        # Any other thread (a plain thread, or one whose loop is running, like a notebook
+        # cell): the client's own portal. Sync calls from many threads batch together there.
+        return self._get_portal().call(fn, body)
+
+    def _get_portal(self) -> PortalThread:
+        with self._portal_lock:
+            if self._portal is None:
+                self._portal = PortalThread(name=f"histoinfer-portal-{self._model_name}")
+                # Stops the portal if the client is dropped, or at interpreter exit.
+                self._portal_finalizer = weakref.finalize(self, self._portal.stop)
+            return self._portal
+
+    def _stop_portal(self) -> None:
+        with self._portal_lock:
+            finalizer, self._portal_finalizer, self._portal = self._portal_finalizer, None, None
+        if finalizer is not None:
+            finalizer()
+
+    def _enter(self) -> None:
+        with self._idle:
+            if self._closed:
+                raise ClientClosedError("the client is closed")
+            self._active += 1
+
+    def _exit(self) -> None:
+        with self._idle:
+            self._active -= 1
+            if self._active == 0:
+                self._idle.notify_all()
+
+    def _wait_idle(self) -> None:
+        with self._idle:
+            self._idle.wait_for(lambda: self._active == 0)
+
+
+def _running_loop_here() -> bool:
+    try:
+        sniffio.current_async_library()
+    except sniffio.AsyncLibraryNotFoundError:
+        return False
+    return True
+
+
+def _execution_error(request: ModelRequest, exc: BaseException) -> ModelExecutionError:
+    return ModelExecutionError(f"forward pass failed for {request.where()}: {exc!r}")

@@ -1,0 +1,52 @@
+"""Shared fixtures: both anyio backends, and one tiny reference checkpoint per session."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from histoinfer.clients.inprocess import InProcessClient
+from histoinfer.models import ServerModel, build_server_model
+from histoinfer.models.h1 import export_reference_h1
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """Every async test runs on asyncio and on trio."""
+    return str(request.param)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("h1-tiny")
+    export_reference_h1("tiny", out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tiny_dir: Path) -> Path:
+    return tiny_dir / "model.pt2"
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_checkpoint: Path) -> ServerModel:
+    """One loaded tiny model, shared: ServerModel is stateless after loading."""
+    return build_server_model("h1", tiny_checkpoint)
+
+
+@pytest.fixture
+def client(tiny_model: ServerModel) -> Iterator[InProcessClient]:
+    """A dynamic-batching client, closed after the test."""
+    with InProcessClient(tiny_model, max_batch_size=16, max_wait_ms=5.0) as c:
+        yield c
+
+
+@pytest.fixture
+def explicit_client(tiny_model: ServerModel) -> Iterator[InProcessClient]:
+    with InProcessClient(tiny_model, max_batch_size=8, dynamic_batching=False) as c:
+        yield c

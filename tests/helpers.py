@@ -1,0 +1,60 @@
+"""Request builders shared by the tests (tiny tiles, seeded pixels, loopback only)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+
+def tile_bytes(seed: int = 0, size: int = 224, fmt: str = "PNG", mode: str = "RGB") -> bytes:
+    """A seeded random tile, encoded as ``fmt`` in pixel ``mode``."""
+    rng = np.random.default_rng(seed)
+    channels = {"RGB": 3, "RGBA": 4, "L": 1}[mode]
+    shape: tuple[int, ...] = (size, size, channels) if channels > 1 else (size, size)
+    pixels = rng.integers(0, 256, shape, dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels, mode=mode).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def request_dict(i: int = 0, size: int = 224, **overrides: Any) -> dict[str, Any]:
+    """A valid request for tile ``i`` (x, y and patch_idx derived from ``i``)."""
+    body: dict[str, Any] = {
+        "image_data": base64.b64encode(tile_bytes(i, size)).decode(),
+        "slide_name": "slide-001",
+        "x": 224 * i,
+        "y": 448,
+        "width": size,
+        "height": size,
+        "patch_idx": i,
+        "tissue_ratio": 0.75,
+        "resolution": 0.5,
+    }
+    body.update(overrides)
+    return body
+
+
+def make_body(i: int = 0, size: int = 224, **overrides: Any) -> str:
+    """``request_dict`` as a JSON string (what the Client protocol takes)."""
+    return json.dumps(request_dict(i, size, **overrides))
+
+
+def outputs_close(a: str, b: str, tol: float = 1e-4) -> bool:
+    """Two response JSON strings agree: same fields, floats within ``tol``."""
+    ra, rb = json.loads(a), json.loads(b)
+    if set(ra) != set(rb):
+        return False
+    for key in ra:
+        if key in ("output", "embedding"):
+            if len(ra[key]) != len(rb[key]):
+                return False
+            if not np.allclose(ra[key], rb[key], atol=tol, rtol=0):
+                return False
+        elif ra[key] != rb[key]:
+            return False
+    return True

@@ -1,0 +1,29 @@
+import json
+
+import anyio
+import pytest
+from helpers import make_body, outputs_close
+
+from histoinfer import Client
+
+
+def test_client_satisfies_protocol(client):
+    assert isinstance(client, Client)
+
+
+@pytest.mark.anyio
+async def test_async_matches_explicit_batch(client, explicit_client):
+    bodies = [make_body(i) for i in range(6)]
+    expected = explicit_client.predict_batch(bodies)
+    got = [None] * len(bodies)
+
+    async def one(i):
+        got[i] = await client.predict_async(bodies[i])
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            for i in range(len(bodies)):
+                tg.start_soon(one, i)
+    for a, b in zip(got, expected, strict=True):
+        assert outputs_close(a, b)
+    assert json.loads(got[3])["patch_idx"] == 3
