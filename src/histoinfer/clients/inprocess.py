@@ -186,13 +186,13 @@ class InProcessClient:
     # -- Client protocol: async --------------------------------------------------------------
 
     async def predict_async(self, body: str, session: object | None = None) -> str:
-        return await self._infer(body, "predict")
+        return await self.infer_async(body, "predict")
 
     async def embed_async(self, body: str, session: object | None = None) -> str:
-        return await self._infer(body, "embed")
+        return await self.infer_async(body, "embed")
 
     async def predict_with_embedding_async(self, body: str, session: object | None = None) -> str:
-        return await self._infer(body, "predict_with_embedding")
+        return await self.infer_async(body, "predict_with_embedding")
 
     # -- Client protocol: sync (thin anyio.from_thread wrappers) ----------------------------
 
@@ -211,13 +211,13 @@ class InProcessClient:
     # -- Client protocol: explicit batches ---------------------------------------------------
 
     def predict_batch(self, bodies: list[str]) -> list[str]:
-        return self._run_explicit(bodies, "predict")
+        return self.infer_batch(bodies, "predict")
 
     def embed_batch(self, bodies: list[str]) -> list[str]:
-        return self._run_explicit(bodies, "embed")
+        return self.infer_batch(bodies, "embed")
 
     def predict_with_embedding_batch(self, bodies: list[str]) -> list[str]:
-        return self._run_explicit(bodies, "predict_with_embedding")
+        return self.infer_batch(bodies, "predict_with_embedding")
 
     # -- observability -----------------------------------------------------------------------
 
@@ -280,7 +280,7 @@ class InProcessClient:
 
     # -- the pipeline ------------------------------------------------------------------------
 
-    def _prepare(self, body: str, mode: Mode, position: int | None = None) -> Prepared:
+    def _prepare(self, body: str | bytes, mode: Mode, position: int | None = None) -> Prepared:
         """JSON -> validated request -> uint8 tile tensor. Thread-safe, CPU only."""
         request = parse_request(body, position)
         where = f"{locate(position).lstrip()} for {request.where()}".strip()
@@ -300,7 +300,8 @@ class InProcessClient:
     def _finish(self, request: ModelRequest, output: SampleOutput, mode: Mode) -> str:
         return self.server_model.postprocess(request, output, mode).model_dump_json()
 
-    async def _infer(self, body: str, mode: Mode) -> str:
+    async def infer_async(self, body: str | bytes, mode: Mode) -> str:
+        """Run one request body in ``mode`` (what the server routes call); see ``predict_async``."""
         self._enter()
         try:
             state = self._loops.get()
@@ -333,7 +334,8 @@ class InProcessClient:
         finally:
             self._exit()
 
-    def _run_explicit(self, bodies: list[str], mode: Mode) -> list[str]:
+    def infer_batch(self, bodies: list[str], mode: Mode) -> list[str]:
+        """Run pre-formed batch ``bodies`` in ``mode``, all or nothing; see ``predict_batch``."""
         self._enter()
         try:
             if not isinstance(bodies, list):

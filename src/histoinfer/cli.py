@@ -1,0 +1,191 @@
+"""The ``histoinfer`` command: ``demo``, ``export``, ``metadata``, ``serve`` and ``bench``.
+
+Errors print one clear line and exit non-zero, never a traceback (``--debug`` shows it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from .errors import InferenceError
+
+__all__ = ["main"]
+
+# Subcommands that live with what they run, imported only when used (so `histoinfer export`
+# never imports a web framework): name -> (module, help).
+_PLUGGED = {
+    "serve": ("histoinfer.server.cli", "run the FastAPI microservice"),
+    "bench": ("histoinfer.bench.cli", "measure throughput and latency (see docs/benchmarks.md)"),
+}
+
+
+class CommandError(Exception):
+    """A user-facing failure: printed as one line."""
+
+
+def _add_export(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "export",
+        help="build a reference checkpoint (seeded, UNTRAINED weights) and its assets",
+        description="Write DIR/model.pt2 (torch.export), DIR/model.json and, with --aoti, "
+        "DIR/model-aoti.pt2 (AOTInductor). The weights are seeded and untrained: the real h1 "
+        "architecture and file format, not a trained model.",
+    )
+    p.add_argument("model", choices=["h1"], help="registry key")
+    p.add_argument("--size", choices=["tiny", "small", "large"], default="tiny")
+    p.add_argument("--aoti", action="store_true", help="also compile an AOTInductor package")
+    p.add_argument("--out", type=Path, required=True, help="output directory")
+    p.set_defaults(func=_cmd_export)
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from .models.h1 import export_reference_h1
+
+    print(f"exporting h1 ({args.size}) with seeded, UNTRAINED weights to {args.out} ...")
+    result = export_reference_h1(args.size, args.out, aoti=args.aoti)
+    print(f"wrote {result.checkpoint}")
+    if result.aoti_checkpoint is not None:
+        print(f"wrote {result.aoti_checkpoint}")
+    print(f"wrote {result.assets}")
+    print(f"done in {result.seconds:.1f} s (reference checkpoint: untrained, not for biology)")
+    return 0
+
+
+def _add_metadata(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("metadata", help="print a checkpoint's metadata as JSON")
+    p.add_argument("--model", default="h1", help="registry key (default: h1)")
+    p.add_argument("--checkpoint", type=Path, required=True, help="path to the .pt2 file")
+    p.add_argument("--assets", type=Path, default=None, help="assets dir (default: beside it)")
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(func=_cmd_metadata)
+
+
+def _cmd_metadata(args: argparse.Namespace) -> int:
+    from .models import build_server_model
+
+    model = build_server_model(args.model, args.checkpoint, args.device, args.assets)
+    print(json.dumps(model.metadata().model_dump(mode="json"), indent=2))
+    return 0
+
+
+def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="the main job on the built-in default: tiles from a real tissue image -> "
+        "gene predictions and embeddings (NPZ)",
+    )
+    p.add_argument("--out", type=Path, default=Path("histoinfer-demo.npz"), help="NPZ to write")
+    p.add_argument("--size", choices=["tiny", "small"], default="small", help="reference model")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
+    p.add_argument("--tile", type=int, default=112, help="tile side in image pixels")
+    p.add_argument("--stride", type=int, default=56, help="step between tiles in pixels")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.set_defaults(func=_cmd_demo)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(
+        out=args.out,
+        size=args.size,
+        device=args.device,
+        backend=args.backend,
+        tile=args.tile,
+        stride=args.stride,
+        progress=not args.no_progress,
+    )
+
+
+def _add_plugged(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, module: str, help: str
+) -> None:
+    p = sub.add_parser(name, help=help)
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            plugin = importlib.import_module(module)
+        except ImportError as exc:
+            extra = "server" if name == "serve" else "bench"
+            raise CommandError(
+                f"'histoinfer {name}' needs extra packages: pip install 'histoinfer[{extra}]' "
+                f"({exc})"
+            ) from None
+        run_plugin: Callable[[argparse.Namespace], int] = plugin.run
+        return run_plugin(args)
+
+    p.set_defaults(func=run, _plugin=module)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="histoinfer",
+        description="Computational-pathology tile models (gene expression, embeddings) "
+        "in-process or as a microservice, with dynamic batching on asyncio and trio.",
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_demo(sub)
+    _add_export(sub)
+    _add_metadata(sub)
+    for name, (module, help_text) in _PLUGGED.items():
+        _add_plugged(sub, name, module, help_text)
+    return parser
+
+
+def _configure_plugin(parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
+    """Let a plugged subcommand add its own options (its module is imported only now)."""
+    for name, (module, _) in _PLUGGED.items():
+        if name in argv:
+            try:
+                plugin = importlib.import_module(module)
+            except ImportError:
+                return  # reported when it runs
+            sub_action = next(
+                a for a in parser._actions if isinstance(a, argparse._SubParsersAction)
+            )
+            plugin.configure(sub_action.choices[name])
+            return
+
+
+def _version() -> str:
+    from . import __version__
+
+    return f"histoinfer {__version__}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    _configure_plugin(parser, argv)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.debug else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        code: int = args.func(args)
+        return code
+    except KeyboardInterrupt:
+        print("histoinfer: interrupted", file=sys.stderr)
+        return 130
+    except (CommandError, InferenceError, OSError, ValueError) as exc:
+        if args.debug:
+            raise
+        print(f"histoinfer: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
