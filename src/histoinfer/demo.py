@@ -51,7 +51,8 @@ def demo_image() -> tuple[np.ndarray, str]:
     try:
         from skimage import data
 
-        return np.asarray(data.immunohistochemistry(), dtype=np.uint8), "skimage IHC (512x512)"
+        ihc = data.immunohistochemistry()  # type: ignore[no-untyped-call]
+        return np.asarray(ihc, dtype=np.uint8), "skimage IHC (512x512)"
     except Exception as exc:  # ImportError, or a data file missing from the install
         print(
             f"note: scikit-image's immunohistochemistry image is unavailable ({exc}); "
@@ -72,7 +73,7 @@ def tile_requests(image: np.ndarray, tile: int, stride: int, slide: str) -> list
         raise ValueError(f"--tile {tile} is larger than the image ({width}x{height})")
     if stride <= 0:
         raise ValueError(f"--stride must be positive, got {stride}")
-    bodies = []
+    bodies: list[str] = []
     for y in range(0, height - tile + 1, stride):
         for x in range(0, width - tile + 1, stride):
             buf = io.BytesIO()
