@@ -180,7 +180,7 @@ def _patch_idx_hint(body: str | bytes) -> str:
     """Best-effort patch_idx of an invalid body, for the error message only."""
     try:
         raw = json.loads(body)
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, RecursionError):  # RecursionError: deeply nested JSON
         return ""
     if isinstance(raw, dict) and isinstance(raw.get("patch_idx"), int):
         return f" (patch_idx={raw['patch_idx']})"

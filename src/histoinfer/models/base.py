@@ -17,7 +17,7 @@ import torch
 from ..errors import InvalidRequestError, UnsupportedModeError
 from ..schema import MODES, Mode, ModelMetadata, ModelRequest, ModelResponse
 from .assets import ModelAssets, load_assets
-from .checkpoint import CheckpointError, LoadedCheckpoint, load_checkpoint
+from .checkpoint import CheckpointError, LoadedCheckpoint, load_checkpoint, sniff_kind
 from .imaging import decode_tile
 
 __all__ = ["BatchOutput", "SampleOutput", "ServerModel"]
@@ -89,6 +89,9 @@ class ServerModel:
     ) -> Self:
         """Load a ``.pt2`` and its ``model.json`` (by default from the checkpoint's folder)."""
         checkpoint_path = Path(checkpoint_path).expanduser()
+        # The checkpoint first: a mistyped path must be reported as a missing checkpoint, not
+        # as a missing model.json beside it. Its kind is sniffed before the slow assets check.
+        sniff_kind(checkpoint_path)
         assets = load_assets(assets_dir if assets_dir is not None else checkpoint_path.parent)
         return cls(load_checkpoint(checkpoint_path, device), assets, device)
 
@@ -130,7 +133,10 @@ class ServerModel:
         """Run a stacked ``uint8`` batch ``[B, 3, T, T]`` through the model on its device."""
         # inference_mode is thread-local, and forward passes run on reused worker threads.
         with torch.inference_mode():
-            x = batch.to(self.device, non_blocking=True).float().mul_(self._scale).add_(self._shift)
+            # copy=True: normalizing in place must never touch the caller's tensor (a float
+            # batch would otherwise come back as its own normalized, mutated self).
+            x = batch.to(self.device, non_blocking=True).to(torch.float32, copy=True)
+            x = x.mul_(self._scale).add_(self._shift)
             predictions, embedding = self._run_program(x)
             return BatchOutput(
                 predictions=predictions.float().cpu() if mode != "embed" else None,

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import binascii
 import io
-import warnings
 
 import torch
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from ..errors import InvalidRequestError
 
@@ -30,6 +29,23 @@ _RESAMPLE = {
     "box": Image.Resampling.BOX,
     "hamming": Image.Resampling.HAMMING,
 }
+
+# Formats users send by mistake, by magic number, so the error can say what was sent.
+_OTHER_FORMATS = (
+    (b"GIF87a", "GIF"),
+    (b"GIF89a", "GIF"),
+    (b"BM", "BMP"),
+    (b"\x00\x00\x01\x00", "ICO"),
+    (b"8BPS", "PSD"),
+)
+
+
+def _unaccepted_format(raw: bytes) -> str:
+    if raw[:4] == b"RIFF" and raw[8:12] == b"WEBP":
+        return "WebP"
+    if raw[4:12] in (b"ftypavif", b"ftypheic", b"ftypmif1"):
+        return "AVIF/HEIF"
+    return next((name for magic, name in _OTHER_FORMATS if raw.startswith(magic)), "")
 
 
 def decode_tile(
@@ -50,6 +66,8 @@ def decode_tile(
 
     if len(image_data) > (max_image_bytes * 4) // 3 + 4:
         raise invalid(f"encoded image is larger than the {max_image_bytes}-byte limit")
+    if image_data.startswith("data:"):
+        raise invalid("send the bare base64 payload, without the 'data:...;base64,' prefix")
     try:
         raw = binascii.a2b_base64(image_data, strict_mode=True)
     except (binascii.Error, ValueError) as exc:
@@ -57,11 +75,16 @@ def decode_tile(
     if not raw:
         raise invalid("image is empty")
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(raw), formats=sorted(ACCEPTED_FORMATS))
+        # No warnings.catch_warnings() here: it is not thread-safe, and tiles are decoded on
+        # many threads at once (it leaked an "error" filter into the process). Our own pixel
+        # limit sits below Pillow's bomb threshold, so its warning never matters to us.
+        image = Image.open(io.BytesIO(raw), formats=sorted(ACCEPTED_FORMATS))
     except (Image.DecompressionBombWarning, Image.DecompressionBombError):
         raise invalid("image has too many pixels") from None
+    except UnidentifiedImageError:
+        other = _unaccepted_format(raw)
+        sent = f"a {other} image" if other else "an unrecognized format"
+        raise invalid(f"not a PNG, JPEG or TIFF image ({sent})") from None
     except Exception as exc:
         raise invalid(
             f"not a decodable PNG, JPEG or TIFF image ({type(exc).__name__}: {exc})"

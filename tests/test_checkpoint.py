@@ -1,0 +1,288 @@
+"""Checkpoints: both kinds of ``.pt2`` told apart by content, and every failure naming the file."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import make_body, outputs_close
+from torch import nn
+
+from histoinfer import InProcessClient, ServerModel, available_models, build_server_model
+from histoinfer.errors import InferenceError, InvalidRequestError
+from histoinfer.models import CheckpointError, load_checkpoint, registry
+from histoinfer.models.checkpoint import sniff_kind
+from histoinfer.models.h1 import H1ServerModel, export_reference_h1
+
+
+@pytest.fixture
+def copy_of_tiny(tiny_dir: Path, tmp_path: Path) -> Path:
+    """A private copy of the tiny checkpoint and assets, free to damage."""
+    out = tmp_path / "copy"
+    shutil.copytree(tiny_dir, out)
+    return out
+
+
+def edit_assets(folder: Path, **changes: Any) -> None:
+    path = folder / "model.json"
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data))
+
+
+def raises_naming(path: Path, fn: Callable[[], object], *fragments: str) -> str:
+    with pytest.raises(CheckpointError) as info:
+        fn()
+    message = str(info.value)
+    assert str(path) in message, message
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+    assert "Traceback" not in message and "\n" not in message
+    return message
+
+
+def test_export_checkpoint_loads_with_kind_and_sha256(tiny_checkpoint: Path) -> None:
+    loaded = load_checkpoint(tiny_checkpoint)
+    assert loaded.kind == "torch.export"
+    assert loaded.path == tiny_checkpoint
+    assert loaded.sha256 == hashlib.sha256(tiny_checkpoint.read_bytes()).hexdigest()
+
+
+def test_kind_comes_from_content_not_name(copy_of_tiny: Path) -> None:
+    renamed = copy_of_tiny / "weights.bin"
+    (copy_of_tiny / "model.pt2").rename(renamed)
+    assert sniff_kind(renamed) == "torch.export"
+    model = build_server_model("h1", renamed)
+    assert model.metadata().checkpoint_kind == "torch.export"
+
+
+def test_metadata_reports_the_files_sha256_and_device(tiny_model: ServerModel) -> None:
+    meta = tiny_model.metadata()
+    path = tiny_model.checkpoint.path
+    assert meta.checkpoint_sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert meta.device == "cpu"
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "nowhere.pt2"
+    raises_naming(path, lambda: load_checkpoint(path), "not found")
+
+
+def test_missing_checkpoint_is_reported_before_missing_assets(tmp_path: Path) -> None:
+    # Regression: a mistyped checkpoint path was reported as "model assets not found".
+    path = tmp_path / "nowhere" / "model.pt2"
+    message = raises_naming(path, lambda: build_server_model("h1", path), "not found")
+    assert "model.json" not in message
+
+
+def test_directory_instead_of_file(tmp_path: Path) -> None:
+    raises_naming(tmp_path, lambda: load_checkpoint(tmp_path), "not a file")
+
+
+@pytest.mark.parametrize(
+    "content", [b"", b"not a zip at all", b"PK\x03\x04" + b"\x00" * 64], ids=["empty", "text", "pk"]
+)
+def test_not_a_zip(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "model.pt2"
+    path.write_bytes(content)
+    raises_naming(path, lambda: load_checkpoint(path), "not a .pt2 archive")
+
+
+def test_truncated_checkpoint(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    path = tmp_path / "model.pt2"
+    data = tiny_checkpoint.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    raises_naming(path, lambda: load_checkpoint(path))
+
+
+def test_zip_of_the_wrong_kind(tmp_path: Path) -> None:
+    path = tmp_path / "model.pt2"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("notes/readme.txt", "hello")
+    raises_naming(path, lambda: load_checkpoint(path), "neither a torch.export program")
+
+
+def test_torch_save_file_is_the_wrong_kind(tmp_path: Path) -> None:
+    # A state dict saved with torch.save is a zip too, but not a program.
+    path = tmp_path / "model.pt2"
+    torch.save({"weight": torch.zeros(3)}, path)
+    raises_naming(path, lambda: load_checkpoint(path), "neither a torch.export program")
+
+
+def test_corrupt_program_inside_a_valid_zip(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    path = tmp_path / "model.pt2"
+    with zipfile.ZipFile(tiny_checkpoint) as src, zipfile.ZipFile(path, "w") as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename.endswith("models/model.json"):
+                data = b"{ this is not the program }"
+            dst.writestr(info, data)
+    raises_naming(path, lambda: load_checkpoint(path), "could not be loaded")
+
+
+def test_checkpoint_error_is_catchable_as_inference_and_value_error() -> None:
+    assert issubclass(CheckpointError, InferenceError)
+    assert issubclass(CheckpointError, ValueError)
+
+
+# -- assets ---------------------------------------------------------------------------------
+
+
+def test_missing_assets(copy_of_tiny: Path) -> None:
+    (copy_of_tiny / "model.json").unlink()
+    raises_naming(
+        copy_of_tiny / "model.json",
+        lambda: build_server_model("h1", copy_of_tiny / "model.pt2"),
+        "assets not found",
+    )
+
+
+def test_assets_from_another_folder(copy_of_tiny: Path, tmp_path: Path) -> None:
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    (copy_of_tiny / "model.json").rename(assets / "model.json")
+    model = build_server_model("h1", copy_of_tiny / "model.pt2", assets_dir=assets)
+    assert model.metadata().name == "h1"
+
+
+@pytest.mark.parametrize(
+    ("changes", "fragment"),
+    [
+        ({"tile_size": -1}, "tile_size"),
+        ({"mean": [0.5, 0.5]}, "mean"),
+        ({"std": [0.2, 0.0, 0.2]}, "std"),
+        ({"interpolation": "magic"}, "interpolation"),
+        ({"gene_names": ["A", "B", "A"]}, "more than once: A"),
+        ({"gene_names": []}, "gene_names"),
+        ({"surprise": 1}, "surprise"),
+        ({"trained": "maybe"}, "trained"),
+    ],
+)
+def test_invalid_assets_name_the_file_and_field(
+    copy_of_tiny: Path, changes: dict[str, Any], fragment: str
+) -> None:
+    edit_assets(copy_of_tiny, **changes)
+    raises_naming(
+        copy_of_tiny / "model.json",
+        lambda: build_server_model("h1", copy_of_tiny / "model.pt2"),
+        "invalid",
+        fragment,
+    )
+
+
+def test_assets_that_are_not_json(copy_of_tiny: Path) -> None:
+    (copy_of_tiny / "model.json").write_text("{ nope")
+    raises_naming(
+        copy_of_tiny / "model.json",
+        lambda: build_server_model("h1", copy_of_tiny / "model.pt2"),
+        "invalid",
+    )
+
+
+@pytest.mark.parametrize(
+    ("changes", "what"),
+    [({"embedding_size": 95}, "embedding"), ({"gene_names": ["A", "B"]}, "predictions")],
+)
+def test_assets_that_do_not_match_the_program(
+    copy_of_tiny: Path, changes: dict[str, Any], what: str
+) -> None:
+    edit_assets(copy_of_tiny, **changes)
+    path = copy_of_tiny / "model.pt2"
+    raises_naming(path, lambda: build_server_model("h1", path), what, "model.json")
+
+
+class _OneOutput(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(dim=(2, 3))
+
+
+def test_program_with_the_wrong_outputs(copy_of_tiny: Path) -> None:
+    path = copy_of_tiny / "model.pt2"
+    batch = torch.export.Dim("batch", min=1, max=64)
+    program = torch.export.export(
+        _OneOutput(), (torch.zeros(2, 3, 224, 224),), dynamic_shapes={"x": {0: batch}}
+    )
+    torch.export.save(program, str(path))
+    raises_naming(path, lambda: build_server_model("h1", path), "(predictions, embedding)")
+
+
+# -- registry -------------------------------------------------------------------------------
+
+
+def test_h1_is_registered() -> None:
+    assert "h1" in available_models()
+    assert registry.model_class("h1") is H1ServerModel
+
+
+def test_unknown_registry_key_lists_the_available_ones(tiny_checkpoint: Path) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        build_server_model("h2", tiny_checkpoint)
+    message = str(info.value)
+    assert "'h2'" in message
+    for key in available_models():
+        assert key in message
+
+
+def test_registered_subclass_is_built(
+    tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+
+    @registry.register_model("h1-test")
+    class Custom(H1ServerModel):
+        pass
+
+    assert "h1-test" in available_models()
+    assert type(build_server_model("h1-test", tiny_checkpoint)) is Custom
+    # The same class again is fine; another class under a taken key is refused.
+    registry.register_model("h1-test")(Custom)
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register_model("h1-test")(type("Other", (H1ServerModel,), {}))
+
+
+# -- AOTInductor ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_aoti_package_matches_the_export_program(tmp_path: Path) -> None:
+    export = export_reference_h1("tiny", tmp_path, aoti=True)
+    assert export.aoti_checkpoint is not None and export.aoti_checkpoint.is_file()
+    assert sniff_kind(export.aoti_checkpoint) == "aoti"
+    aoti = build_server_model("h1", export.aoti_checkpoint)
+    program = build_server_model("h1", export.checkpoint)
+    assert aoti.metadata().checkpoint_kind == "aoti"
+    assert aoti.metadata().checkpoint_sha256 != program.metadata().checkpoint_sha256
+
+    # Same outputs, at several batch sizes (the batch dimension stays dynamic).
+    for size in (1, 3, 8):
+        tiles = torch.randint(0, 256, (size, 3, 224, 224), dtype=torch.uint8)
+        a = aoti.forward_batch(tiles, "predict_with_embedding")
+        b = program.forward_batch(tiles, "predict_with_embedding")
+        assert a.predictions is not None and b.predictions is not None
+        assert a.embedding is not None and b.embedding is not None
+        torch.testing.assert_close(a.predictions, b.predictions, atol=1e-4, rtol=0)
+        torch.testing.assert_close(a.embedding, b.embedding, atol=1e-4, rtol=0)
+
+    # And end to end through the client, whatever the file is called.
+    renamed = tmp_path / "package.bin"
+    shutil.copy(export.aoti_checkpoint, renamed)
+    bodies = [make_body(i) for i in range(5)]
+    with (
+        InProcessClient.from_checkpoint(
+            "h1", renamed, assets_dir=tmp_path, dynamic_batching=False
+        ) as via_aoti,
+        InProcessClient(program, dynamic_batching=False) as via_export,
+    ):
+        assert json.loads(via_aoti.metadata())["checkpoint_kind"] == "aoti"
+        got = via_aoti.predict_with_embedding_batch(bodies)
+        expected = via_export.predict_with_embedding_batch(bodies)
+    for a_json, b_json in zip(got, expected, strict=True):
+        assert outputs_close(a_json, b_json, tol=1e-4)

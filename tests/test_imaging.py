@@ -1,0 +1,214 @@
+"""Tile decoding: base64 -> PNG/JPEG/TIFF -> RGB -> resized uint8 tensor, or a clear error."""
+
+from __future__ import annotations
+
+import base64
+import io
+import re
+import sys
+import threading
+import warnings
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from helpers import tile_bytes
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from PIL import Image
+
+from histoinfer.errors import InvalidRequestError
+from histoinfer.models.imaging import decode_tile
+
+WHERE = "for patch_idx=4 (slide 's', x=0, y=0)"
+
+
+def decode(data: str | bytes, size: int = 32, tile: int = 32, **kw: Any) -> torch.Tensor:
+    encoded = data if isinstance(data, str) else base64.b64encode(data).decode()
+    args: dict[str, Any] = dict(
+        width=size,
+        height=size,
+        tile_size=tile,
+        interpolation="bilinear",
+        max_image_bytes=1 << 20,
+        max_image_pixels=1 << 20,
+        where=WHERE,
+    )
+    args.update(kw)
+    return decode_tile(encoded, **args)
+
+
+def encode(image: Image.Image, fmt: str = "PNG") -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def pixels(raw: bytes) -> np.ndarray:
+    with Image.open(io.BytesIO(raw)) as image:
+        return np.asarray(image.convert("RGB")).transpose(2, 0, 1)
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "TIFF"])
+def test_lossless_formats_decode_to_exact_pixels(fmt: str) -> None:
+    raw = tile_bytes(1, size=32, fmt=fmt)
+    tile = decode(raw)
+    assert tile.dtype == torch.uint8 and tuple(tile.shape) == (3, 32, 32)
+    assert np.array_equal(tile.numpy(), pixels(raw))
+
+
+def test_jpeg_decodes_to_what_pillow_sees() -> None:
+    raw = tile_bytes(2, size=32, fmt="JPEG")
+    assert np.array_equal(decode(raw).numpy(), pixels(raw))
+
+
+@pytest.mark.parametrize("mode", ["RGBA", "L"])
+def test_rgba_and_grayscale_become_rgb(mode: str) -> None:
+    raw = tile_bytes(3, size=32, mode=mode)
+    tile = decode(raw)
+    assert tuple(tile.shape) == (3, 32, 32)
+    assert np.array_equal(tile.numpy(), pixels(raw))
+    if mode == "L":
+        assert torch.equal(tile[0], tile[1]) and torch.equal(tile[1], tile[2])
+
+
+def test_palette_images_become_rgb() -> None:
+    rgb = Image.open(io.BytesIO(tile_bytes(4, size=32)))
+    raw = encode(rgb.convert("P", palette=Image.Palette.ADAPTIVE, colors=16))
+    assert np.array_equal(decode(raw).numpy(), pixels(raw))
+
+
+@pytest.mark.parametrize("interpolation", ["bilinear", "nearest", "bicubic"])
+def test_other_sizes_are_resized_with_the_models_interpolation(interpolation: str) -> None:
+    raw = tile_bytes(5, size=16)
+    tile = decode(raw, size=16, tile=32, interpolation=interpolation)
+    resample = getattr(Image.Resampling, interpolation.upper())
+    expected = Image.open(io.BytesIO(raw)).convert("RGB").resize((32, 32), resample)
+    assert np.array_equal(tile.numpy(), np.asarray(expected).transpose(2, 0, 1))
+
+
+def test_interpolation_matters() -> None:
+    raw = tile_bytes(6, size=16)
+    nearest = decode(raw, size=16, tile=32, interpolation="nearest")
+    bilinear = decode(raw, size=16, tile=32, interpolation="bilinear")
+    assert not torch.equal(nearest, bilinear)
+
+
+def test_non_square_tiles_are_resized_to_the_square_tile() -> None:
+    raw = encode(Image.new("RGB", (40, 20), (10, 20, 30)))
+    tile = decode(raw, width=40, height=20, tile=32)
+    assert tuple(tile.shape) == (3, 32, 32)
+    assert tile[:, 5, 5].tolist() == [10, 20, 30]
+
+
+# (name, image_data, decode kwargs, fragments the message must contain)
+def bad_cases() -> list[tuple[str, str, dict[str, Any], list[str]]]:
+    png = tile_bytes(7, size=32)
+    b64 = base64.b64encode(png).decode()
+    return [
+        ("not base64", "***not base64***", {}, ["base64"]),
+        ("base64 with junk", b64[:40] + "!" + b64[40:], {}, ["base64"]),
+        ("data URL", "data:image/png;base64," + b64, {}, ["data:"]),
+        ("empty", "", {}, ["empty"]),
+        ("not an image", base64.b64encode(b"hello, world").decode(), {}, ["PNG, JPEG or TIFF"]),
+        (
+            "GIF",
+            base64.b64encode(encode(Image.new("P", (32, 32)), "GIF")).decode(),
+            {},
+            ["GIF"],
+        ),
+        (
+            "BMP",
+            base64.b64encode(encode(Image.new("RGB", (32, 32)), "BMP")).decode(),
+            {},
+            ["BMP"],
+        ),
+        ("truncated PNG", base64.b64encode(png[: len(png) // 2]).decode(), {}, ["truncated"]),
+        ("width mismatch", b64, {"width": 30}, ["30x32", "32x32", "'width'/'height'"]),
+        ("height mismatch", b64, {"height": 64}, ["32x64", "32x32"]),
+        ("too many pixels", b64, {"max_image_pixels": 32 * 31}, ["pixel"]),
+        ("too many bytes", b64, {"max_image_bytes": len(png) // 2}, ["byte limit"]),
+        (
+            "16-bit pixels",
+            base64.b64encode(encode(Image.new("I;16", (32, 32)))).decode(),
+            {},
+            ["I;16"],
+        ),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("name", "data", "kwargs", "fragments"), bad_cases(), ids=[c[0] for c in bad_cases()]
+)
+def test_bad_images_raise_invalid_request_naming_field_and_tile(
+    name: str, data: str, kwargs: dict[str, Any], fragments: list[str]
+) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        decode(data, **kwargs)
+    message = str(info.value)
+    assert WHERE in message, message
+    for fragment in fragments:
+        assert fragment in message, f"{name}: {fragment!r} not in {message!r}"
+    # No object addresses: the same request must give the same message on every backend.
+    assert not re.search(r"0x[0-9a-f]{6,}", message), message
+
+
+def test_huge_declared_images_are_refused_before_decoding() -> None:
+    # 6000x6000 of one colour compresses to almost nothing: the pixel limit must catch it.
+    raw = encode(Image.new("L", (6000, 6000)))
+    with pytest.raises(InvalidRequestError, match="6000x6000"):
+        decode(raw, size=6000, max_image_pixels=4096 * 4096)
+
+
+def test_concurrent_decoding_leaves_warning_filters_alone() -> None:
+    # Regression: decode_tile used warnings.catch_warnings(), which is not thread-safe, and
+    # concurrent decodes leaked an "error" filter for DecompressionBombWarning into the process.
+    data = tile_bytes(8, size=32)
+    before = list(warnings.filters)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # interleave the threads as much as possible
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            for _ in range(150):
+                decode(data)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    try:
+        threads = [threading.Thread(target=work) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors
+    assert list(warnings.filters) == before
+
+
+def test_decoded_tile_does_not_alias_between_calls() -> None:
+    raw = tile_bytes(9, size=32)
+    a, b = decode(raw), decode(raw)
+    a.zero_()
+    assert b.sum() > 0
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # Pillow warns about the corrupt metadata
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_corrupted_images_decode_or_raise_invalid_request(data: st.DataObject) -> None:
+    fmt = data.draw(st.sampled_from(["PNG", "JPEG", "TIFF"]))
+    raw = bytearray(tile_bytes(10, size=16, fmt=fmt))
+    for _ in range(data.draw(st.integers(1, 6))):
+        position = data.draw(st.integers(0, len(raw) - 1))
+        raw[position] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(1, len(raw)))
+    try:
+        tile = decode(bytes(raw[:cut]), size=16, tile=16)
+    except InvalidRequestError as exc:
+        assert WHERE in str(exc)
+        return
+    assert tile.dtype == torch.uint8 and tuple(tile.shape) == (3, 16, 16)

@@ -1,0 +1,204 @@
+"""The wire format (SPEC §3): strict parsing, messages that say what and where, exact output."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import Any
+
+import pytest
+from helpers import make_body, request_dict
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from histoinfer import ModelMetadata, ModelRequest, ModelResponse
+from histoinfer.errors import InvalidRequestError
+from histoinfer.schema import (
+    InvocationEnvelope,
+    InvocationRequest,
+    parse_model,
+    parse_request,
+)
+
+SMALL = request_dict(3, size=16)  # a valid request with a small image: cheap to re-serialize
+
+
+def body(**overrides: Any) -> str:
+    return json.dumps({**SMALL, **overrides})
+
+
+def without(field: str) -> str:
+    return json.dumps({k: v for k, v in SMALL.items() if k != field})
+
+
+def test_valid_request_keeps_every_field() -> None:
+    request = parse_request(make_body(5))
+    expected = request_dict(5)
+    assert request.model_dump(exclude_none=True) == expected
+    assert request.bulk_rna is None
+
+
+def test_optional_fields_may_be_absent_or_null() -> None:
+    minimal = {k: v for k, v in SMALL.items() if k not in ("tissue_ratio", "resolution")}
+    request = parse_request(json.dumps(minimal))
+    assert request.tissue_ratio is None and request.resolution is None
+    request = parse_request(body(tissue_ratio=None, resolution=None, bulk_rna=None))
+    assert request.tissue_ratio is None and request.bulk_rna is None
+
+
+@pytest.mark.parametrize(
+    "raw", [make_body(1).encode(), bytearray(make_body(1).encode()), "  " + make_body(1) + "\n"]
+)
+def test_bytes_and_surrounding_whitespace_are_accepted(raw: str | bytes) -> None:
+    assert parse_request(raw).patch_idx == 1
+
+
+def test_integral_json_numbers_are_accepted_for_floats() -> None:
+    # JSON has one number type: 1 is a fine tissue_ratio, even under strict validation.
+    assert parse_request(body(tissue_ratio=1, resolution=2)).tissue_ratio == 1.0
+
+
+# (name, body, fragments the message must contain)
+BAD_BODIES: list[tuple[str, Any, list[str]]] = [
+    ("invalid JSON", '{"x": ', ["not valid JSON"]),
+    ("trailing garbage", make_body(0) + "}", ["not valid JSON"]),
+    ("JSON array", "[]", ["object"]),
+    ("JSON null", "null", ["object"]),
+    ("non-string body", {"x": 1}, ["JSON string", "dict"]),
+    ("None body", None, ["JSON string", "NoneType"]),
+    ("unknown field", body(colour="pink"), ["unknown field 'colour'", "patch_idx=3"]),
+    ("missing field", without("slide_name"), ["missing", "'slide_name'", "patch_idx=3"]),
+    ("missing patch_idx", without("patch_idx"), ["missing", "'patch_idx'"]),
+    ("negative x", body(x=-1), ["'x'", "-1", "patch_idx=3"]),
+    ("negative y", body(y=-8), ["'y'", "-8"]),
+    ("zero width", body(width=0), ["'width'"]),
+    ("negative height", body(height=-5), ["'height'"]),
+    ("negative patch_idx", body(patch_idx=-2), ["'patch_idx'", "-2"]),
+    ("tissue_ratio above 1", body(tissue_ratio=1.5), ["'tissue_ratio'", "1.5"]),
+    ("tissue_ratio below 0", body(tissue_ratio=-0.1), ["'tissue_ratio'"]),
+    ("NaN tissue_ratio", body(tissue_ratio=float("nan")), ["'tissue_ratio'", "finite"]),
+    ("infinite resolution", body(resolution=float("inf")), ["'resolution'", "finite"]),
+    ("zero resolution", body(resolution=0), ["'resolution'"]),
+    ("string for int", body(x="12"), ["'x'", "integer"]),
+    ("float for int", body(y=1.5), ["'y'", "integer"]),
+    ("bool for int", body(width=True), ["'width'"]),
+    ("int for string", body(slide_name=7), ["'slide_name'", "string"]),
+    ("null image", body(image_data=None), ["'image_data'"]),
+    ("NaN in bulk_rna", body(bulk_rna=[1.0, float("nan")]), ["'bulk_rna.1'"]),
+    ("string in bulk_rna", body(bulk_rna=["a"]), ["'bulk_rna.0'"]),
+]
+
+
+@pytest.mark.parametrize(("name", "raw", "fragments"), BAD_BODIES, ids=[b[0] for b in BAD_BODIES])
+def test_bad_bodies_raise_invalid_request_naming_the_problem(
+    name: str, raw: Any, fragments: list[str]
+) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        parse_request(raw)
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message, f"{name}: {fragment!r} not in {message!r}"
+
+
+def test_batch_position_is_named() -> None:
+    with pytest.raises(InvalidRequestError, match=r"at batch position 7 \(patch_idx=3\)"):
+        parse_request(body(x=-1), position=7)
+
+
+def test_every_problem_of_a_body_is_reported() -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        parse_request(body(x=-1, tissue_ratio=3.0, extra=1))
+    message = str(info.value)
+    assert "'x'" in message and "'tissue_ratio'" in message and "'extra'" in message
+
+
+def test_long_inputs_are_abbreviated_in_messages() -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        parse_request(body(x="9" * 10_000))
+    assert len(str(info.value)) < 400
+
+
+@pytest.mark.parametrize("raw", ["[" * 100_000, '{"a":' * 50_000, "[" * 5_000 + "]" * 5_000])
+def test_deeply_nested_json_is_an_invalid_request(raw: str) -> None:
+    # Regression: the patch_idx hint re-parsed the body with json.loads and let RecursionError
+    # escape, which a server would have answered with a 500.
+    with pytest.raises(InvalidRequestError, match="invalid request"):
+        parse_request(raw)
+
+
+def test_lone_surrogate_is_an_invalid_request() -> None:
+    with pytest.raises(InvalidRequestError):
+        parse_request(body(slide_name="a").replace('"a"', '"\ud800"'))
+
+
+def test_response_omits_embedding_unless_present() -> None:
+    fields = {k: SMALL[k] for k in ("slide_name", "x", "y", "width", "height", "patch_idx")}
+    plain = json.loads(ModelResponse(output=[1.0, 2.0], **fields).model_dump_json())
+    assert "embedding" not in plain
+    assert plain["tissue_ratio"] is None and plain["resolution"] is None
+    with_emb = ModelResponse(output=[1.0], embedding=[0.5, 0.25], **fields)
+    assert json.loads(with_emb.model_dump_json())["embedding"] == [0.5, 0.25]
+    # What we write, we read back identically.
+    assert ModelResponse.model_validate_json(with_emb.model_dump_json()) == with_emb
+
+
+def test_response_json_is_deterministic() -> None:
+    fields = dict(output=[0.1, -2.5], slide_name="s", x=1, y=2, width=3, height=4, patch_idx=5)
+    assert ModelResponse(**fields).model_dump_json() == ModelResponse(**fields).model_dump_json()
+
+
+def test_metadata_round_trips(tiny_model: Any) -> None:
+    metadata = tiny_model.metadata()
+    assert isinstance(metadata, ModelMetadata)
+    assert ModelMetadata.model_validate_json(metadata.model_dump_json()) == metadata
+
+
+def test_invocation_request_carries_a_model_request() -> None:
+    raw = body(model_name="h1", mode="prediction")
+    invocation = InvocationRequest.model_validate_json(raw)
+    assert invocation.to_model_request() == parse_request(json.dumps(SMALL))
+    assert isinstance(invocation.to_model_request(), ModelRequest)
+
+
+def test_invocation_envelope_rejects_unknown_modes() -> None:
+    envelope = parse_model(InvocationEnvelope, body(model_name="h1", mode="metadata"), "envelope")
+    assert envelope.mode == "metadata"
+    with pytest.raises(InvalidRequestError, match=r"invalid invocation.*'mode'"):
+        parse_model(InvocationEnvelope, json.dumps({"model_name": "h1", "mode": "x"}), "invocation")
+
+
+# -- fuzzing: whatever arrives, the parser answers with a request or an InvalidRequestError ----
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda children: (
+        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3)
+    ),
+    max_leaves=8,
+)
+field_names = st.sampled_from([*SMALL, "bulk_rna", "extra"])
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.dictionaries(field_names, json_values, max_size=6), st.booleans())
+def test_fuzzed_requests_parse_or_raise_invalid_request(
+    overrides: dict[str, Any], start_valid: bool
+) -> None:
+    data = {**SMALL, **overrides} if start_valid else overrides
+    raw = json.dumps(data)
+    try:
+        request = parse_request(raw)
+    except InvalidRequestError as exc:
+        assert str(exc).startswith("invalid request")
+        return
+    # Whatever got through obeys the contract.
+    assert request.x >= 0 and request.y >= 0 and request.patch_idx >= 0
+    assert request.width > 0 and request.height > 0
+    assert request.tissue_ratio is None or 0.0 <= request.tissue_ratio <= 1.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=40) | st.binary(max_size=40))
+def test_fuzzed_text_parses_or_raises_invalid_request(raw: str | bytes) -> None:
+    with contextlib.suppress(InvalidRequestError):  # anything else fails the test
+        parse_request(raw)
