@@ -12,32 +12,40 @@ How it works (``docs/batching.md`` has the reasons and a sequence diagram):
 * A runner task, started lazily as a trio *system task* or an asyncio task, takes the first item,
   then drains with ``receive_nowait`` until the batch is full, the window ``max_wait_ms`` after
   the first item has passed, or nothing else is on its way (a lone request is not held).
+  Callers announced by :meth:`BatchScheduler.reserve` count as "on their way"; when the last of
+  them leaves without an item, a no-op marker wakes the runner so it stops waiting for them.
 * The batch function runs in a worker thread (``anyio.to_thread.run_sync``) under the scheduler's
-  own limiter; requests that arrive meanwhile accumulate for the next batch.
+  own limiter, never the loop's shared default one; requests that arrive meanwhile accumulate for
+  the next batch.
 * A caller cancelled while queued marks its pending abandoned and the runner skips it; one
   cancelled while its batch runs just leaves, and the batch completes for the others.
 * A batch function that raises is bisected, so only the failing items get the exception.
-* Completing a pending never raises into the runner, and the runner survives its own bugs:
-  anything unexpected fails the affected requests, and it carries on.
+* Completing a pending never raises into the runner, a failing statistics update is logged and
+  ignored, and the runner survives its own bugs: anything unexpected fails the requests it holds,
+  and it carries on. On trio the runner is a system task, where any escaping exception would
+  crash the whole run, so nothing but cancellation leaves it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import anyio
 import anyio.lowlevel
+import anyio.to_thread
 import sniffio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ..errors import ClientClosedError, DeadlineExceededError, InferenceError, OverloadedError
+from .perloop import current_loop_key
 from .stats import BatchStats
 
 __all__ = ["BatchScheduler", "Reservation"]
@@ -68,6 +76,13 @@ class _Pending(Generic[T, R]):
         self.done.set()
 
 
+def _wake_marker() -> _Pending[Any, Any]:
+    """A no-op stream entry: the runner skips it, but receiving it ends a wait for company."""
+    marker: _Pending[Any, Any] = _Pending.__new__(_Pending)
+    marker.state = _ABANDONED
+    return marker
+
+
 class BatchScheduler(Generic[T, R]):
     """Dynamic batching of ``submit(item)`` calls into ``batch_fn(items)`` calls.
 
@@ -76,10 +91,12 @@ class BatchScheduler(Generic[T, R]):
             thread; it may raise, and the batch is then split to isolate the failing items.
         max_batch_size: most items per call of ``batch_fn`` (counts items, not requests).
         max_wait_ms: upper bound on how long the first item of a batch waits for company.
-        max_queue: most items admitted at once (preparing, queued or running); further
+        max_queue: most items admitted at once (reserved, queued or running); further
             callers wait for room, or get :class:`OverloadedError` with ``wait=False``.
             ``None`` means unbounded.
-        limiter: the thread limiter for ``batch_fn``; by default one of its own, with one token.
+        limiter: the thread limiter for ``batch_fn``; by default one of its own, with one token
+            (the loop's default limiter is shared with everything else, and a forward pass
+            waiting there for a token is pure latency).
         stats: where to record batches and waits; by default a fresh :class:`BatchStats`.
         on_exit: called once when the runner ends (its loop ended or the scheduler closed).
     """
@@ -116,13 +133,15 @@ class BatchScheduler(Generic[T, R]):
         self.max_queue = max_queue
         self.name = name
         self.stats = stats if stats is not None else BatchStats()
-        self._limiter = limiter
-        self._on_exit = on_exit
+        # Made outside a loop, these bind lazily to the first (and only) loop that uses them.
+        self._limiter = limiter if limiter is not None else anyio.CapacityLimiter(1)
         self._admission = anyio.Semaphore(max_queue) if max_queue is not None else None
+        self._on_exit = on_exit
         self._send: MemoryObjectSendStream[_Pending[T, R]]
         self._receive: MemoryObjectReceiveStream[_Pending[T, R]]
         self._send, self._receive = anyio.create_memory_object_stream[_Pending[T, R]](math.inf)
         self._incoming = 0  # admitted by reserve(), not yet submitted
+        self._queued = 0  # submitted, not yet dispatched nor abandoned
         self._closing = False
         self._loop: object | None = None
         self._runner: asyncio.Task[None] | None = None
@@ -137,6 +156,7 @@ class BatchScheduler(Generic[T, R]):
         function by then, :class:`DeadlineExceededError` is raised (once dispatched, it runs).
         ``wait=False`` raises :class:`OverloadedError` instead of waiting for room.
         """
+        self._ensure_runner()
         await self._admit(wait)
         try:
             return await self._enqueue_and_wait(item, timeout)
@@ -150,6 +170,7 @@ class BatchScheduler(Generic[T, R]):
         The runner knows a reserved item is on its way and waits for it (within ``max_wait_ms``)
         instead of dispatching early: pipelined preparation still fills batches.
         """
+        self._ensure_runner()
         await self._admit(wait)
         self._incoming += 1
         reservation: Reservation[T, R] = Reservation(self)
@@ -158,20 +179,25 @@ class BatchScheduler(Generic[T, R]):
         finally:
             if not reservation.used:
                 self._incoming -= 1
+                if self._incoming == 0:
+                    self._wake_runner()
             self._release()
 
     async def aclose(self) -> None:
         """Refuse new items, finish every queued one, then stop the runner."""
         self._closing = True
         self._send.close()
-        if self._finished is not None:
-            await self._finished.wait()
-        else:
+        if self._finished is None:
             self._receive.close()
+        elif not self._finished.is_set():
+            if self._loop is not current_loop_key():
+                raise RuntimeError(f"{self.name}: aclose() must run in the scheduler's own loop")
+            await self._finished.wait()
 
     @property
     def queue_depth(self) -> int:
-        return self._send.statistics().current_buffer_used
+        """Items submitted and waiting for dispatch (not counting abandoned ones)."""
+        return self._queued
 
     # -- the caller's side ----------------------------------------------------------------
 
@@ -195,14 +221,14 @@ class BatchScheduler(Generic[T, R]):
             self._admission.release()
 
     async def _enqueue_and_wait(self, item: T, timeout: float | None) -> R:
-        self._ensure_runner()
         now = time.perf_counter()
         pending: _Pending[T, R] = _Pending(item, now, None if timeout is None else now + timeout)
         try:
             self._send.send_nowait(pending)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             raise ClientClosedError(f"{self.name}: the scheduler is closed") from None
-        self.stats.queue_changed(+1)
+        self._queued += 1
+        self._count(self.stats.queue_changed, +1)
         try:
             if timeout is None:
                 await pending.done.wait()
@@ -211,17 +237,17 @@ class BatchScheduler(Generic[T, R]):
                     await pending.done.wait()
                 if pending.state == _QUEUED:
                     self._abandon(pending)
-                    self.stats.record_error("deadline")
+                    self._count(self.stats.record_error, "deadline")
                     raise DeadlineExceededError(
                         f"{self.name}: request not dispatched within its "
                         f"{timeout * 1000:.0f} ms deadline "
-                        f"({self.queue_depth} requests queued ahead or behind)"
+                        f"({self._queued} other requests still queued)"
                     )
                 await pending.done.wait()  # dispatched in time: it runs to completion
         except BaseException:
             if pending.state == _QUEUED:  # cancelled while queued: leave before dispatch
                 self._abandon(pending)
-                self.stats.record_cancelled()
+                self._count(self.stats.record_cancelled)
             raise
         if pending.error is not None:
             raise pending.error
@@ -229,21 +255,35 @@ class BatchScheduler(Generic[T, R]):
 
     def _abandon(self, pending: _Pending[T, R]) -> None:
         pending.state = _ABANDONED
-        self.stats.queue_changed(-1)
+        self._queued -= 1
+        self._count(self.stats.queue_changed, -1)
+
+    def _wake_runner(self) -> None:
+        # Closed: the runner is not waiting for anyone any more.
+        with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
+            self._send.send_nowait(_wake_marker())
+
+    def _count(self, update: Callable[..., None], *args: Any) -> None:
+        """Update the statistics; a failure there is logged, never a failed request."""
+        try:
+            update(*args)
+        except Exception:
+            log.exception("%s: statistics update failed", self.name)
 
     # -- the runner -----------------------------------------------------------------------
 
     def _ensure_runner(self) -> None:
-        token = anyio.lowlevel.current_token().native_token
+        token = current_loop_key()
         if self._loop is token:
             return
+        if self._closing:
+            raise ClientClosedError(f"{self.name}: the scheduler is closed")
         if self._loop is not None:
             raise RuntimeError(
                 f"{self.name}: this BatchScheduler belongs to another event loop; "
                 "use one scheduler per loop (histoinfer.batching.PerLoop)"
             )
-        if self._closing:
-            raise ClientClosedError(f"{self.name}: the scheduler is closed")
+        # Registered before the task exists: an eager task factory runs it at once.
         self._loop = token
         self._finished = anyio.Event()
         if sniffio.current_async_library() == "trio":
@@ -257,41 +297,50 @@ class BatchScheduler(Generic[T, R]):
             )
 
     async def _run(self) -> None:
-        batch: list[_Pending[T, R]] = []
         try:
-            while True:
-                batch = []
-                try:
-                    more = await self._collect(batch)
-                    await self._dispatch(batch)
-                except Exception as exc:  # a bug of ours: fail what we hold, keep serving
-                    log.exception("%s: scheduler error; failing %d requests", self.name, len(batch))
-                    message = f"{self.name}: scheduler error: {exc!r}"
-                    self._fail(batch, partial(InferenceError, message))
-                    more = True
-                if not more:
-                    return
+            while await self._step():
+                pass
+        except Exception:  # pragma: no cover - _step lets only cancellation out
+            log.exception("%s: scheduler runner failed", self.name)
         finally:
             # The loop is ending (cancelled) or the scheduler was closed: nobody is left behind.
-            self._closing = True
+            self._shutdown()
+
+    async def _step(self) -> bool:
+        """Collect and dispatch one batch; False once the stream has ended."""
+        batch: list[_Pending[T, R]] = []
+        try:
+            more = await self._collect(batch)
+            await self._dispatch(batch)
+            return more
+        except Exception as exc:  # a bug of ours: fail what we hold, keep serving
+            log.exception("%s: scheduler error; failing %d requests", self.name, len(batch))
+            self._fail(batch, partial(InferenceError, f"{self.name}: scheduler error: {exc!r}"))
+            await anyio.lowlevel.checkpoint()  # a repeating bug must not starve the loop
+            return True
+        except BaseException:  # cancelled: the loop is ending
             self._fail(batch, self._closed_error)
-            self._send.close()
-            leftovers: list[_Pending[T, R]] = []
-            while True:
-                try:
-                    leftovers.append(self._receive.receive_nowait())
-                except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
-                    break
-            self._fail(leftovers, self._closed_error)
-            self._receive.close()
-            self._runner = None
-            if self._finished is not None:
-                self._finished.set()
-            if self._on_exit is not None:
-                try:
-                    self._on_exit()
-                except Exception:
-                    log.exception("%s: on_exit callback failed", self.name)
+            raise
+
+    def _shutdown(self) -> None:
+        self._closing = True
+        self._send.close()
+        leftovers: list[_Pending[T, R]] = []
+        while True:
+            try:
+                leftovers.append(self._receive.receive_nowait())
+            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                break
+        self._fail(leftovers, self._closed_error)
+        self._receive.close()
+        self._runner = None
+        if self._finished is not None:
+            self._finished.set()
+        if self._on_exit is not None:
+            try:
+                self._on_exit()
+            except Exception:
+                log.exception("%s: on_exit callback failed", self.name)
 
     def _closed_error(self) -> InferenceError:
         return ClientClosedError(f"{self.name}: the event loop or scheduler shut down")
@@ -299,11 +348,14 @@ class BatchScheduler(Generic[T, R]):
     def _fail(
         self, pendings: list[_Pending[T, R]], make_error: Callable[[], BaseException]
     ) -> None:
+        queued = 0
         for p in pendings:
             if p.state in (_QUEUED, _RUNNING):
-                if p.state == _QUEUED:
-                    self.stats.queue_changed(-1)
+                queued += p.state == _QUEUED
                 p.resolve(error=make_error())
+        if queued:
+            self._queued -= queued
+            self._count(self.stats.queue_changed, -queued)
 
     async def _collect(self, batch: list[_Pending[T, R]]) -> bool:
         """Fill ``batch``; return False once the stream has ended (after this batch)."""
@@ -353,11 +405,11 @@ class BatchScheduler(Generic[T, R]):
         now = time.perf_counter()
         for p in live:
             p.state = _RUNNING
-        self.stats.queue_changed(-len(live))
+        self._queued -= len(live)
+        self._count(self.stats.queue_changed, -len(live))
         waits = [now - p.enqueued_at for p in live]
-        started = time.perf_counter()
         await self._execute(live)
-        self.stats.record_batch(len(live), waits, time.perf_counter() - started)
+        self._count(self.stats.record_batch, len(live), waits, time.perf_counter() - now)
 
     async def _execute(self, pendings: list[_Pending[T, R]]) -> None:
         items = [p.item for p in pendings]
@@ -365,7 +417,7 @@ class BatchScheduler(Generic[T, R]):
             results = await anyio.to_thread.run_sync(self._call, items, limiter=self._limiter)
         except Exception as exc:
             if len(pendings) == 1:
-                self.stats.record_error(type(exc).__name__)
+                self._count(self.stats.record_error, type(exc).__name__)
                 pendings[0].resolve(error=exc)
                 return
             # Split to isolate the failing items (LitServe #340): only they get the error.

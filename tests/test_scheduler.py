@@ -1,0 +1,477 @@
+"""``BatchScheduler`` on its own, with plain Python batch functions, on asyncio and trio.
+
+A held batch function (``HeldBatchFn``) plays a slow device: while it is held, requests pile up,
+so each test arranges the exact next batch by counting, never by timing.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from functools import partial
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import pytest
+from concurrency_helpers import HeldBatchFn, spawn_submit, wait_until
+
+from histoinfer.batching import BatchScheduler, BatchStats
+from histoinfer.errors import (
+    ClientClosedError,
+    DeadlineExceededError,
+    InferenceError,
+    OverloadedError,
+)
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
+
+
+async def test_batches_hold_at_most_max_batch_size() -> None:
+    results: dict[int, Any] = {}
+    with HeldBatchFn() as fn, anyio.fail_after(10):
+        sched = BatchScheduler(fn, max_batch_size=4, max_wait_ms=5)
+        async with anyio.create_task_group() as tg:
+            spawn_submit(tg, sched.submit, 0, results)
+            await wait_until(lambda: fn.calls == 1)
+            for i in range(1, 11):
+                spawn_submit(tg, sched.submit, i, results)
+            await wait_until(lambda: sched.queue_depth == 10)
+            fn.release_all()
+    assert results == {i: 10 * i for i in range(11)}
+    assert [len(b) for b in fn.batches] == [1, 4, 4, 2]
+    snap = sched.stats.snapshot()
+    assert snap.batch_size_histogram == {1: 1, 2: 1, 4: 2}
+    assert snap.batches == 4 and snap.samples == 11
+    assert snap.mean_batch_size == pytest.approx(11 / 4)
+    assert snap.queue_depth == 0
+
+
+async def test_requests_arriving_during_a_batch_form_the_next_one() -> None:
+    results: dict[int, Any] = {}
+    with HeldBatchFn() as fn, anyio.fail_after(10):
+        sched = BatchScheduler(fn, max_batch_size=16, max_wait_ms=5)
+        async with anyio.create_task_group() as tg:
+            spawn_submit(tg, sched.submit, 100, results)
+            await wait_until(lambda: fn.calls == 1)
+            for i in range(10):
+                spawn_submit(tg, sched.submit, i, results)
+            await wait_until(lambda: sched.queue_depth == 10)
+            fn.release_all()
+    assert fn.batches[0] == [100]
+    assert sorted(fn.batches[1]) == list(range(10))
+    assert fn.calls == 2
+    assert results[7] == 70
+
+
+async def test_order_is_fifo() -> None:
+    order = list(range(1, 13))
+    random.Random(3).shuffle(order)
+    results: dict[int, Any] = {}
+    with HeldBatchFn() as fn, anyio.fail_after(10):
+        sched = BatchScheduler(fn, max_batch_size=3, max_wait_ms=5)
+        async with anyio.create_task_group() as tg:
+            spawn_submit(tg, sched.submit, 100, results)
+            await wait_until(lambda: fn.calls == 1)
+            for queued, item in enumerate(order, start=1):
+                spawn_submit(tg, sched.submit, item, results)
+                await wait_until(lambda n=queued: sched.queue_depth == n)  # type: ignore[misc]
+            fn.release_all()
+    assert fn.seen() == [100, *order]
+    assert [len(b) for b in fn.batches] == [1, 3, 3, 3, 3]
+
+
+async def test_a_lone_request_is_not_held_for_the_whole_window() -> None:
+    fn = HeldBatchFn(held=False)
+    sched = BatchScheduler(fn, max_batch_size=64, max_wait_ms=10_000)
+    with anyio.fail_after(5):  # far below the 10 s window
+        assert await sched.submit(4) == 40
+        assert await sched.submit(5) == 50
+    assert fn.batches == [[4], [5]]
+
+
+async def test_max_wait_ms_bounds_the_wait_for_an_announced_item() -> None:
+    """A reserved item is waited for, but never past ``max_wait_ms``."""
+    fn = HeldBatchFn(held=False)
+    sched = BatchScheduler(fn, max_batch_size=8, max_wait_ms=150)
+    async with sched.reserve():  # announced, never submitted
+        with anyio.fail_after(5):
+            assert await sched.submit(3) == 30
+    assert fn.batches == [[3]]
+
+
+async def test_a_reserved_item_joins_the_batch_it_was_announced_to() -> None:
+    fn = HeldBatchFn(held=False)
+    sched = BatchScheduler(fn, max_batch_size=8, max_wait_ms=10_000)
+    results: dict[int, Any] = {}
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg, sched.reserve() as slot:
+            spawn_submit(tg, sched.submit, 1, results)
+            await wait_until(lambda: sched.queue_depth == 1)
+            await anyio.sleep(0.02)  # "preparing" while the runner holds the batch open
+            results[2] = await slot.submit(2)
+    assert fn.batches == [[1, 2]]
+    assert results == {1: 10, 2: 20}
+
+
+async def test_an_abandoned_reservation_releases_the_waiting_batch() -> None:
+    """A reservation that ends unused (e.g. its request was invalid) must wake the runner."""
+    fn = HeldBatchFn(held=False)
+    sched = BatchScheduler(fn, max_batch_size=8, max_wait_ms=10_000)
+    results: dict[int, Any] = {}
+    with anyio.fail_after(5):  # the window is 10 s: waiting it out fails this test
+        async with anyio.create_task_group() as tg, sched.reserve():
+            spawn_submit(tg, sched.submit, 1, results)
+            await wait_until(lambda: sched.queue_depth == 1)
+    assert results == {1: 10}
+
+
+async def test_batch_fn_runs_in_a_worker_thread_with_its_own_limiter() -> None:
+    fn = HeldBatchFn(held=False)
+    sched = BatchScheduler(fn, max_batch_size=8)
+    default = anyio.to_thread.current_default_thread_limiter()
+    saved = default.total_tokens
+    release = threading.Event()
+    default.total_tokens = 1
+    try:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                # Take the only token of the shared default limiter, as a busy app would.
+                tg.start_soon(partial(anyio.to_thread.run_sync, release.wait, 10))
+                await wait_until(lambda: default.borrowed_tokens == 1)
+                assert await sched.submit(6) == 60
+                release.set()
+    finally:
+        release.set()
+        default.total_tokens = saved
+    assert fn.threads and threading.get_ident() not in fn.threads
+
+
+async def test_a_given_limiter_is_the_one_used() -> None:
+    limiter = anyio.CapacityLimiter(1)
+    seen: list[float] = []
+
+    def batch_fn(items: list[int]) -> list[int]:
+        seen.append(anyio.from_thread.run_sync(lambda: limiter.borrowed_tokens))
+        return items
+
+    sched = BatchScheduler(batch_fn, limiter=limiter)
+    with anyio.fail_after(5):
+        assert await sched.submit(1) == 1
+    assert seen == [1]
+
+
+async def test_bisection_isolates_a_poisoned_item() -> None:
+    results: dict[int, Any] = {}
+    with HeldBatchFn(poison=[7]) as fn, anyio.fail_after(10):
+        sched = BatchScheduler(fn, max_batch_size=16)
+        async with anyio.create_task_group() as tg:
+            spawn_submit(tg, sched.submit, 100, results)
+            await wait_until(lambda: fn.calls == 1)
+            for i in range(12):
+                spawn_submit(tg, sched.submit, i, results)
+            await wait_until(lambda: sched.queue_depth == 12)
+            fn.release_all()
+    assert isinstance(results.pop(7), ValueError)
+    assert results == {i: 10 * i for i in [*range(7), *range(8, 12), 100]}
+    assert sorted(fn.batches[1]) == list(range(12))  # tried as one batch first
+    assert sum(7 in b for b in fn.batches) <= 5  # then halved: log2(12) + 1 tries at most
+    snap = sched.stats.snapshot()
+    assert snap.errors == 1 and snap.error_kinds == {"ValueError": 1}
+    assert snap.batches == 2 and snap.samples == 13  # dispatched: [100] and the 12
+
+
+async def test_a_wrong_result_count_fails_only_its_own_item() -> None:
+    def drops_five(items: list[int]) -> list[int]:
+        return [10 * i for i in items if i != 5]
+
+    sched = BatchScheduler(drops_five, max_batch_size=16)
+    results: dict[int, Any] = {}
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            for i in range(8):
+                spawn_submit(tg, sched.submit, i, results)
+        assert await sched.submit(9) == 90  # the next batch is fine
+    error = results.pop(5)
+    assert isinstance(error, RuntimeError)
+    assert "returned 0 results for 1 items" in str(error)
+    assert results == {i: 10 * i for i in range(8) if i != 5}
+
+
+@pytest.mark.parametrize("site", ["_collect", "_execute"])
+async def test_a_scheduler_crash_fails_the_pending_and_the_next_call_works(
+    site: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    fn = HeldBatchFn(held=False)
+    sched = BatchScheduler(fn, max_batch_size=8)
+    original = getattr(sched, site)
+    crashes: list[int] = []
+
+    async def crash_once(batch: list[Any]) -> Any:
+        # _collect crashes holding queued items; _execute crashes before running them.
+        result = await original(batch) if site == "_collect" else None
+        if not crashes:
+            crashes.append(1)
+            raise RuntimeError(f"bug in {site}")
+        return result if site == "_collect" else await original(batch)
+
+    monkeypatch.setattr(sched, site, crash_once)
+    with anyio.fail_after(10):
+        with pytest.raises(InferenceError, match=f"scheduler error.*bug in {site}"):
+            await sched.submit(1)
+        assert await sched.submit(2) == 20
+    assert "scheduler error" in caplog.text
+    assert sched.stats.snapshot().queue_depth == 0
+
+
+async def test_a_failing_statistics_update_fails_no_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fn = HeldBatchFn(held=False)
+    sched = BatchScheduler(fn, max_batch_size=8)
+    failed: list[int] = []
+    original = sched.stats.record_batch
+
+    def record_batch_fails_once(*args: Any) -> None:
+        if not failed:
+            failed.append(1)
+            raise RuntimeError("stats bug")
+        original(*args)
+
+    monkeypatch.setattr(sched.stats, "record_batch", record_batch_fails_once)
+    with anyio.fail_after(10):
+        assert await sched.submit(1) == 10
+        assert await sched.submit(2) == 20
+    assert failed == [1]
+    assert sched.stats.snapshot().batches == 1
+
+
+class _BrittleStats(BatchStats):
+    """Statistics whose runner-side updates all fail: a user's buggy subclass."""
+
+    def queue_changed(self, delta: int) -> None:
+        if delta < 0:
+            raise RuntimeError("stats bug")
+        super().queue_changed(delta)
+
+    def record_batch(self, *args: Any) -> None:
+        raise RuntimeError("stats bug")
+
+    def record_error(self, *args: Any) -> None:
+        raise RuntimeError("stats bug")
+
+
+async def test_the_runner_survives_a_crash_while_handling_a_crash(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On trio the runner is a system task: anything escaping it would kill the whole run."""
+    fn = HeldBatchFn(held=False)
+    sched = BatchScheduler(fn, stats=_BrittleStats(), max_batch_size=4)
+    original = sched._collect
+    crashes: list[int] = []
+
+    async def crash_once_holding_items(batch: list[Any]) -> bool:
+        more = await original(batch)
+        if not crashes:
+            crashes.append(1)
+            raise RuntimeError("bug in _collect")
+        return more
+
+    monkeypatch.setattr(sched, "_collect", crash_once_holding_items)
+    results: dict[int, Any] = {}
+    scope = anyio.CancelScope()
+
+    async def cancelled_while_queued() -> None:
+        with scope:
+            await sched.submit(3)
+
+    with fn, anyio.fail_after(10):
+        with pytest.raises(InferenceError, match="scheduler error"):
+            await sched.submit(1)
+        assert await sched.submit(2) == 20
+        # A cancelled caller is not turned into a statistics error either.
+        fn._held = True
+        async with anyio.create_task_group() as tg:
+            spawn_submit(tg, sched.submit, 4, results)
+            await wait_until(lambda: fn.calls == 2)
+            tg.start_soon(cancelled_while_queued)
+            await wait_until(lambda: sched.queue_depth == 1)
+            scope.cancel()
+            await wait_until(lambda: sched.queue_depth == 0)
+            fn.release_all()
+    assert scope.cancelled_caught
+    assert results == {4: 40}
+    assert 3 not in fn.seen()
+
+
+async def test_backpressure_callers_wait_for_room(caplog: pytest.LogCaptureFixture) -> None:
+    results: dict[int, Any] = {}
+    with HeldBatchFn() as fn, anyio.fail_after(10):
+        sched = BatchScheduler(fn, max_batch_size=2, max_queue=3)
+        async with anyio.create_task_group() as tg:
+            spawn_submit(tg, sched.submit, 0, results)
+            await wait_until(lambda: fn.calls == 1)
+            spawn_submit(tg, sched.submit, 1, results)
+            spawn_submit(tg, sched.submit, 2, results)
+            await wait_until(lambda: sched.queue_depth == 2)
+            with pytest.raises(OverloadedError, match="queue full"):
+                await sched.submit(9, wait=False)
+            with pytest.raises(OverloadedError):
+                async with sched.reserve(wait=False):
+                    pass
+            spawn_submit(tg, sched.submit, 3, results)  # must wait for room
+            await anyio.sleep(0.05)
+            assert sched.queue_depth == 2 and 3 not in results
+            fn.release_all()
+    assert results == {0: 0, 1: 10, 2: 20, 3: 30}
+    assert 9 not in fn.seen()
+
+
+def test_a_queue_bound_below_the_batch_size_is_warned_about(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="histoinfer.batching"):
+        BatchScheduler(list, max_batch_size=32, max_queue=8, name="tiny-queue")
+    assert "tiny-queue" in caplog.text and "max_queue=8" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="histoinfer.batching"):
+        BatchScheduler(list, max_batch_size=8, max_queue=8)
+    assert caplog.text == ""
+
+
+def test_invalid_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="max_batch_size"):
+        BatchScheduler(list, max_batch_size=0)
+    with pytest.raises(ValueError, match="max_wait_ms"):
+        BatchScheduler(list, max_wait_ms=float("nan"))
+    with pytest.raises(ValueError, match="max_queue"):
+        BatchScheduler(list, max_queue=0)
+
+
+async def test_a_request_not_dispatched_by_its_deadline_fails_clearly() -> None:
+    results: dict[int, Any] = {}
+    with HeldBatchFn() as fn, anyio.fail_after(10):
+        sched = BatchScheduler(fn, max_batch_size=8)
+        async with anyio.create_task_group() as tg:
+            # Dispatched at once, then outlives its deadline while running: it still completes.
+            spawn_submit(tg, sched.submit, 1, results, timeout=0.05)
+            await wait_until(lambda: fn.calls == 1)
+            with pytest.raises(DeadlineExceededError, match="not dispatched"):
+                await sched.submit(2, timeout=0.05)
+            spawn_submit(tg, sched.submit, 3, results, timeout=30)
+            await wait_until(lambda: sched.stats.snapshot().queue_depth == 1)
+            fn.release_all()
+    assert results == {1: 10, 3: 30}
+    assert 2 not in fn.seen()
+    snap = sched.stats.snapshot()
+    assert snap.error_kinds == {"deadline": 1} and snap.queue_depth == 0
+
+
+async def test_aclose_finishes_queued_work_then_refuses() -> None:
+    results: dict[int, Any] = {}
+    exits: list[int] = []
+    closed = anyio.Event()
+    with HeldBatchFn() as fn, anyio.fail_after(10):
+        sched = BatchScheduler(fn, max_batch_size=2, on_exit=lambda: exits.append(1))
+
+        async def close() -> None:
+            await sched.aclose()
+            closed.set()
+
+        async with anyio.create_task_group() as tg:
+            spawn_submit(tg, sched.submit, 1, results)
+            await wait_until(lambda: fn.calls == 1)
+            for i in range(2, 6):
+                spawn_submit(tg, sched.submit, i, results)
+            await wait_until(lambda: sched.queue_depth == 4)
+            tg.start_soon(close)
+            await wait_until(lambda: sched._closing)
+            with pytest.raises(ClientClosedError):
+                await sched.submit(9)
+            assert not closed.is_set()
+            fn.release_all()
+    assert closed.is_set()
+    assert results == {i: 10 * i for i in range(1, 6)}
+    assert exits == [1]
+    with pytest.raises(ClientClosedError):
+        await sched.submit(10)
+    with pytest.raises(ClientClosedError):
+        async with sched.reserve():
+            pass
+    assert 9 not in fn.seen() and 10 not in fn.seen()
+
+
+async def test_aclose_of_an_unused_scheduler() -> None:
+    sched = BatchScheduler(HeldBatchFn(held=False))
+    with anyio.fail_after(5):
+        await sched.aclose()
+        await sched.aclose()  # idempotent
+    with pytest.raises(ClientClosedError):
+        await sched.submit(1)
+
+
+@pytest.mark.parametrize("when", ["queued", "running"])
+async def test_a_cancelled_caller_leaves_without_disturbing_the_others(when: str) -> None:
+    """Cancelled while queued: never dispatched. While running: the batch completes anyway."""
+    results: dict[int, Any] = {}
+    scope = anyio.CancelScope()
+    left = anyio.Event()
+
+    with HeldBatchFn() as fn, anyio.fail_after(10):
+        sched = BatchScheduler(fn, max_batch_size=8)
+
+        async def doomed() -> None:
+            with scope:
+                results[2] = await sched.submit(2)
+            left.set()
+
+        async with anyio.create_task_group() as tg:
+            spawn_submit(tg, sched.submit, 1, results)
+            await wait_until(lambda: fn.calls == 1)
+            tg.start_soon(doomed)
+            spawn_submit(tg, sched.submit, 3, results)
+            await wait_until(lambda: sched.queue_depth == 2)
+            if when == "running":
+                fn.allow(1)  # batch [1] returns; [2, 3] starts and is held
+                await wait_until(lambda: fn.calls == 2)
+            scope.cancel()
+            await left.wait()  # the caller leaves at once, even while its batch runs
+            fn.release_all()
+    assert results == {1: 10, 3: 30}
+    if when == "queued":
+        assert fn.batches == [[1], [3]]
+        assert sched.stats.snapshot().cancelled == 1
+    else:
+        assert fn.calls == 2 and sorted(fn.batches[1]) == [2, 3]  # neither cancelled nor re-run
+    assert sched.queue_depth == 0 and sched.stats.snapshot().queue_depth == 0
+
+
+async def test_using_a_scheduler_from_a_second_loop_is_a_clear_error(anyio_backend: str) -> None:
+    sched = BatchScheduler(HeldBatchFn(held=False))
+    with anyio.fail_after(10):
+        assert await sched.submit(1) == 10
+        other = "trio" if anyio_backend == "asyncio" else "asyncio"
+        for backend in (anyio_backend, other):
+
+            async def elsewhere() -> None:
+                await sched.submit(2)
+
+            with pytest.raises(RuntimeError, match="another event loop"):
+                await anyio.to_thread.run_sync(partial(anyio.run, elsewhere, backend=backend))
+        assert await sched.submit(3) == 30  # its own loop is unaffected
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_scheduler_made_outside_a_loop_ends_with_the_loop_it_served(backend: str) -> None:
+    exits: list[int] = []
+    sched = BatchScheduler(HeldBatchFn(held=False), max_queue=4, on_exit=lambda: exits.append(1))
+
+    async def main() -> int:
+        with anyio.fail_after(5):
+            return await sched.submit(3)
+
+    assert anyio.run(main, backend=backend) == 30
+    assert exits == [1]
+    with pytest.raises(ClientClosedError):
+        anyio.run(main, backend=backend)
