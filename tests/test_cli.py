@@ -1,0 +1,118 @@
+"""The ``histoinfer`` command: ``export`` and ``metadata``, and errors as one line, no traceback."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from histoinfer.cli import main
+from histoinfer.models import CheckpointError
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code: int, err: str, *fragments: str) -> None:
+    assert code != 0
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("histoinfer: error:"), err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in lines[0], f"{fragment!r} not in {lines[0]!r}"
+
+
+def test_export_then_metadata(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_dir = tmp_path / "h1"
+    code, out, _ = run(["export", "h1", "--size", "tiny", "--out", str(out_dir)], capsys)
+    assert code == 0
+    assert "UNTRAINED" in out  # honest about the weights
+    checkpoint = out_dir / "model.pt2"
+    assert checkpoint.is_file() and (out_dir / "model.json").is_file()
+    assert str(checkpoint) in out
+    assert not (out_dir / "model-aoti.pt2").exists()
+
+    code, out, _ = run(["metadata", "--checkpoint", str(checkpoint)], capsys)
+    assert code == 0
+    meta = json.loads(out)
+    assert meta["name"] == "h1" and meta["trained"] is False
+    assert meta["checkpoint_kind"] == "torch.export"
+    assert meta["checkpoint_sha256"] == hashlib.sha256(checkpoint.read_bytes()).hexdigest()
+    assert meta["output_size"] == len(meta["gene_names"])
+
+
+def test_metadata_with_assets_elsewhere(
+    tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    checkpoint = tmp_path / "weights.pt2"
+    checkpoint.write_bytes((tiny_dir / "model.pt2").read_bytes())
+    code, out, _ = run(
+        ["metadata", "--checkpoint", str(checkpoint), "--assets", str(tiny_dir)], capsys
+    )
+    assert code == 0
+    assert json.loads(out)["embedding_size"] > 0
+
+
+def test_missing_checkpoint_is_one_line_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "nope" / "model.pt2"
+    code, _, err = run(["metadata", "--checkpoint", str(missing)], capsys)
+    assert_one_line_error(code, err, str(missing), "not found")
+
+
+def test_corrupt_checkpoint_is_one_line_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "model.pt2"
+    bad.write_text("definitely not a checkpoint")
+    code, _, err = run(["metadata", "--checkpoint", str(bad)], capsys)
+    assert_one_line_error(code, err, str(bad))
+
+
+def test_unknown_model_lists_the_available_ones(
+    tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = run(["metadata", "--model", "h9", "--checkpoint", str(tiny_checkpoint)], capsys)
+    assert_one_line_error(code, err, "'h9'", "h1")
+
+
+def test_export_into_a_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    blocker = tmp_path / "taken"
+    blocker.write_text("a file, not a folder")
+    code, _, err = run(["export", "h1", "--size", "tiny", "--out", str(blocker)], capsys)
+    assert_one_line_error(code, err, str(blocker))
+
+
+def test_debug_shows_the_real_exception(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError):
+        main(["--debug", "metadata", "--checkpoint", str(tmp_path / "missing.pt2")])
+
+
+def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["export", "h1", "--size", "gigantic", "--out", "x"])
+    assert info.value.code == 2
+    assert "gigantic" in capsys.readouterr().err
+    assert main([]) == 2  # no command: help, and a failing status
+
+
+def test_python_dash_m_prints_no_traceback(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.pt2"
+    proc = subprocess.run(
+        [sys.executable, "-m", "histoinfer", "metadata", "--checkpoint", str(missing)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    assert_one_line_error(proc.returncode, proc.stderr, str(missing))
+    assert proc.stdout == ""

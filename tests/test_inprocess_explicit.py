@@ -1,0 +1,478 @@
+"""``InProcessClient`` in explicit mode (``dynamic_batching=False``): the whole Client protocol.
+
+Forward passes are counted on a model wrapper, so "one forward pass", "batch size 1" and
+"chunked by max_batch_size" are checked as facts, never inferred from timings.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import anyio
+import pytest
+import torch
+from helpers import make_body, outputs_close, request_dict, tile_bytes
+from PIL import Image
+
+from histoinfer import Client, InProcessClient, ServerModel
+from histoinfer.errors import (
+    ClientClosedError,
+    InvalidRequestError,
+    ModelExecutionError,
+    UnsupportedModeError,
+)
+from histoinfer.models import BatchOutput
+from histoinfer.models.h1 import H1ServerModel
+from histoinfer.schema import Mode
+
+MODES: list[Mode] = ["predict", "embed", "predict_with_embedding"]
+
+
+class CountingModel(H1ServerModel):
+    """The tiny h1, recording every forward pass; white tiles fail once ``poison`` is on."""
+
+    max_image_bytes = 400_000  # a small limit, so "oversized" is cheap to build
+
+    def __init__(self, source: ServerModel) -> None:
+        self.calls: list[tuple[int, Mode]] = []
+        self.poison = False
+        self.gate: threading.Event | None = None
+        self.entered = threading.Event()
+        self._lock = threading.Lock()
+        super().__init__(source.checkpoint, source.assets)  # runs a probe forward pass
+
+    def forward_batch(self, batch: torch.Tensor, mode: Mode) -> BatchOutput:
+        with self._lock:
+            self.calls.append((int(batch.shape[0]), mode))
+        self.entered.set()
+        if self.gate is not None:
+            assert self.gate.wait(timeout=20), "test gate never opened"
+        if self.poison and bool((batch == 255).flatten(1).all(1).any()):
+            raise RuntimeError("poisoned tile")
+        return super().forward_batch(batch, mode)
+
+    def sizes(self) -> list[int]:
+        with self._lock:
+            return [size for size, _ in self.calls]
+
+    def reset(self) -> None:
+        with self._lock:
+            self.calls.clear()
+            self.entered.clear()
+
+
+@pytest.fixture
+def model(tiny_model: ServerModel) -> CountingModel:
+    counting = CountingModel(tiny_model)
+    counting.reset()  # forget the load-time probe
+    return counting
+
+
+@pytest.fixture
+def client(model: CountingModel) -> Iterator[InProcessClient]:
+    with InProcessClient(model, max_batch_size=4, dynamic_batching=False) as c:
+        yield c
+
+
+def white_body(i: int) -> str:
+    buf = io.BytesIO()
+    Image.new("RGB", (224, 224), (255, 255, 255)).save(buf, format="PNG")
+    return make_body(i, image_data=base64.b64encode(buf.getvalue()).decode())
+
+
+def close(a: list[float], b: list[float]) -> bool:
+    return len(a) == len(b) and torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5)
+
+
+async def wait_until(predicate: Callable[[], bool]) -> None:
+    with anyio.fail_after(20):
+        while not predicate():
+            await anyio.sleep(0.005)
+
+
+# -- round trips ----------------------------------------------------------------------------
+
+
+def test_satisfies_the_client_protocol(client: InProcessClient) -> None:
+    assert isinstance(client, Client)
+
+
+def test_metadata_is_json_with_the_batching_in_force(
+    client: InProcessClient, tiny_model: ServerModel
+) -> None:
+    meta = json.loads(client.metadata())
+    assert meta["name"] == "h1"
+    assert meta["gene_names"] == tiny_model.metadata().gene_names
+    assert meta["checkpoint_sha256"] == tiny_model.metadata().checkpoint_sha256
+    assert meta["trained"] is False
+    assert meta["batching"]["dynamic_batching"] is False
+    assert meta["batching"]["max_batch_size"] == 4
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sync_round_trip(client: InProcessClient, model: CountingModel, mode: Mode) -> None:
+    response = json.loads(getattr(client, mode)(make_body(2)))
+    meta = json.loads(client.metadata())
+    expected = {k: v for k, v in request_dict(2).items() if k != "image_data"}
+    assert {k: response[k] for k in expected} == expected
+    size = meta["embedding_size"] if mode == "embed" else meta["output_size"]
+    assert len(response["output"]) == size
+    assert ("embedding" in response) == (mode == "predict_with_embedding")
+    assert model.calls == [(1, mode)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_batch_round_trip(client: InProcessClient, model: CountingModel, mode: Mode) -> None:
+    bodies = [make_body(i) for i in range(3)]
+    responses = [json.loads(r) for r in getattr(client, f"{mode}_batch")(bodies)]
+    assert [r["patch_idx"] for r in responses] == [0, 1, 2]
+    assert all(("embedding" in r) == (mode == "predict_with_embedding") for r in responses)
+    assert model.calls == [(3, mode)]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("mode", MODES)
+async def test_async_round_trip_matches_sync(
+    client: InProcessClient, model: CountingModel, mode: Mode
+) -> None:
+    with anyio.fail_after(30):
+        got = await getattr(client, f"{mode}_async")(make_body(4), session=object())
+    assert model.calls == [(1, mode)]
+    # Same request, same batch size, same model: the same bytes.
+    assert got == await anyio.to_thread.run_sync(getattr(client, mode), make_body(4))
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_concurrent_async_calls_run_at_batch_size_one(
+    client: InProcessClient, model: CountingModel
+) -> None:
+    results: dict[int, str] = {}
+
+    async def one(i: int) -> None:
+        results[i] = await client.predict_async(make_body(i))
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            for i in range(6):
+                tg.start_soon(one, i)
+    assert model.sizes() == [1] * 6
+    assert {json.loads(r)["patch_idx"] for r in results.values()} == set(range(6))
+    for i, response in results.items():
+        assert json.loads(response)["patch_idx"] == i
+    stats = client.stats()["predict"]
+    assert stats.batches == 6 and stats.samples == 6 and stats.batch_size_histogram == {1: 6}
+
+
+def test_predict_with_embedding_is_predict_plus_embed_from_one_pass(
+    client: InProcessClient, model: CountingModel
+) -> None:
+    bodies = [make_body(i) for i in range(3)]
+    both = client.predict_with_embedding_batch(bodies)
+    assert model.calls == [(3, "predict_with_embedding")]
+    predicted = client.predict_batch(bodies)
+    embedded = client.embed_batch(bodies)
+    for b, p, e in zip(both, predicted, embedded, strict=True):
+        combined, prediction, embedding = json.loads(b), json.loads(p), json.loads(e)
+        assert close(combined.pop("embedding"), embedding.pop("output"))
+        assert close(combined.pop("output"), prediction.pop("output"))
+        assert combined == prediction == embedding  # the echoed fields
+
+    model.reset()
+    single = json.loads(client.predict_with_embedding(bodies[0]))
+    assert model.calls == [(1, "predict_with_embedding")]
+    assert len(single["embedding"]) == json.loads(client.metadata())["embedding_size"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_batch_equals_the_same_requests_sent_singly(client: InProcessClient, mode: Mode) -> None:
+    bodies = [make_body(i) for i in range(4)]
+    batched = getattr(client, f"{mode}_batch")(bodies)
+    singly = [getattr(client, mode)(body) for body in bodies]
+    for a, b in zip(batched, singly, strict=True):
+        assert outputs_close(a, b)
+
+
+def test_batches_are_chunked_by_max_batch_size(
+    client: InProcessClient, model: CountingModel
+) -> None:
+    bodies = [make_body(i) for i in range(10)]
+    responses = client.predict_batch(bodies)
+    assert model.sizes() == [4, 4, 2]
+    assert [json.loads(r)["patch_idx"] for r in responses] == list(range(10))
+    # Chunk boundaries change nothing: positions 3 and 4 sit in different chunks.
+    for i in (3, 4, 9):
+        assert outputs_close(responses[i], client.predict(bodies[i]))
+
+
+def test_an_empty_batch_computes_nothing(client: InProcessClient, model: CountingModel) -> None:
+    assert client.predict_batch([]) == []
+    assert model.calls == []
+
+
+def test_duplicate_requests_in_a_batch_get_their_own_answers(client: InProcessClient) -> None:
+    body = make_body(1)
+    first, second = client.embed_batch([body, body])
+    assert first == second
+
+
+# -- bad input ------------------------------------------------------------------------------
+
+
+def _png(image: Image.Image) -> str:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _bad_bodies() -> list[tuple[str, Any, type[Exception], list[str]]]:
+    png = tile_bytes(6)
+    b64 = base64.b64encode(png).decode()
+    gif = io.BytesIO()
+    Image.new("P", (224, 224)).save(gif, format="GIF")
+    noisy = Image.frombytes(
+        "RGB", (400, 400), torch.randint(0, 256, (400 * 400 * 3,)).byte().numpy().tobytes()
+    )
+    where = "patch_idx=6"
+    return [
+        ("invalid JSON", '{"slide_name": ', InvalidRequestError, ["not valid JSON"]),
+        ("not a string", {"x": 1}, InvalidRequestError, ["JSON string"]),
+        ("unknown field", make_body(6, stain="HE"), InvalidRequestError, ["'stain'", where]),
+        ("missing field", json.dumps({k: v for k, v in request_dict(6).items() if k != "y"}),
+         InvalidRequestError, ["'y'", where]),
+        ("negative x", make_body(6, x=-5), InvalidRequestError, ["'x'", where]),
+        ("wrong type", make_body(6, patch_idx="six"), InvalidRequestError, ["'patch_idx'"]),
+        ("bool for int", make_body(6, height=True), InvalidRequestError, ["'height'", where]),
+        ("tissue_ratio > 1", make_body(6, tissue_ratio=2.0), InvalidRequestError,
+         ["'tissue_ratio'", where]),
+        ("NaN", make_body(6, resolution=float("nan")), InvalidRequestError,
+         ["'resolution'", where]),
+        ("size mismatch", make_body(6, width=200), InvalidRequestError,
+         ["200x224", "224x224", where]),
+        ("bulk_rna to h1", make_body(6, bulk_rna=[1.0, 2.0]), UnsupportedModeError,
+         ["'bulk_rna'", where]),
+        ("bad base64", make_body(6, image_data="@@@@"), InvalidRequestError,
+         ["'image_data'", "base64", where]),
+        ("empty image", make_body(6, image_data=""), InvalidRequestError,
+         ["'image_data'", "empty", where]),
+        ("not an image", make_body(6, image_data=base64.b64encode(b"{}" * 50).decode()),
+         InvalidRequestError, ["'image_data'", where]),
+        ("GIF", make_body(6, image_data=base64.b64encode(gif.getvalue()).decode()),
+         InvalidRequestError, ["GIF", where]),
+        ("truncated PNG", make_body(6, image_data=b64[: len(b64) // 2]), InvalidRequestError,
+         ["'image_data'", where]),
+        ("oversized image", make_body(6, width=400, height=400, image_data=_png(noisy)),
+         InvalidRequestError, ["byte limit", where]),
+        ("16-bit image", make_body(6, image_data=_png(Image.new("I;16", (224, 224)))),
+         InvalidRequestError, ["I;16", where]),
+    ]  # fmt: skip
+
+
+BAD = _bad_bodies()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("name", "body", "error", "fragments"), BAD, ids=[b[0] for b in BAD])
+async def test_bad_input_fails_alone_and_the_client_keeps_working(
+    client: InProcessClient,
+    model: CountingModel,
+    name: str,
+    body: Any,
+    error: type[Exception],
+    fragments: list[str],
+) -> None:
+    with anyio.fail_after(30):
+        # Alone: the error names the field and the tile.
+        with pytest.raises(error) as info:
+            await client.predict_async(body)
+        # In a batch: the same error, at its position, and its valid neighbour not blamed.
+        with pytest.raises(InvalidRequestError) as in_batch:
+            await anyio.to_thread.run_sync(client.predict_batch, [make_body(0), body])
+        assert model.calls == []  # refused before the device, both times
+        response = await client.predict_async(make_body(1))
+    assert isinstance(info.value, InvalidRequestError)
+    for fragment in fragments:
+        assert fragment in str(info.value), f"{name}: {fragment!r} not in {info.value}"
+        assert fragment in str(in_batch.value), f"{name}: {fragment!r} not in {in_batch.value}"
+    assert "batch position 1" in str(in_batch.value)
+    assert "batch position 0" not in str(in_batch.value)
+    assert json.loads(response)["patch_idx"] == 1
+    assert model.calls == [(1, "predict")]
+
+
+def test_batch_names_every_bad_position_and_computes_nothing(
+    client: InProcessClient, model: CountingModel
+) -> None:
+    bodies = [
+        make_body(0),
+        make_body(1, x=-1),
+        make_body(2),
+        "not json",
+        make_body(4, image_data="!!"),
+        make_body(5),
+    ]
+    with pytest.raises(InvalidRequestError) as info:
+        client.embed_batch(bodies)
+    message = str(info.value)
+    assert "3 of 6" in message and "nothing was computed" in message
+    for position in (1, 3, 4):
+        assert f"batch position {position}" in message
+    for position in (0, 2, 5):
+        assert f"batch position {position}" not in message
+    assert "patch_idx=1" in message and "patch_idx=4" in message
+    assert model.calls == []
+    assert len(client.embed_batch([b for i, b in enumerate(bodies) if i in (0, 2, 5)])) == 3
+
+
+def test_bodies_must_be_a_list(client: InProcessClient) -> None:
+    with pytest.raises(InvalidRequestError, match="list"):
+        client.predict_batch(make_body(0))  # type: ignore[arg-type]
+
+
+@pytest.mark.anyio
+async def test_a_mode_the_model_lacks_is_refused(tiny_model: ServerModel) -> None:
+    class EmbedOnly(CountingModel):
+        modes = ("embed",)
+
+    model = EmbedOnly(tiny_model)
+    model.reset()
+    with InProcessClient(model, dynamic_batching=False) as c:
+        with pytest.raises(UnsupportedModeError, match="'predict'"):
+            c.predict_batch([make_body(0)])
+        with anyio.fail_after(30), pytest.raises(UnsupportedModeError, match="'predict'"):
+            await c.predict_async(make_body(0))
+        assert model.calls == []
+        assert json.loads(c.embed_batch([make_body(0)])[0])["patch_idx"] == 0
+
+
+# -- model failures -------------------------------------------------------------------------
+
+
+def test_a_failing_tile_in_a_batch_is_named(client: InProcessClient, model: CountingModel) -> None:
+    model.poison = True
+    bodies = [make_body(0), white_body(1), make_body(2), white_body(3)]
+    with pytest.raises(ModelExecutionError) as info:
+        client.predict_batch(bodies)
+    message = str(info.value)
+    assert "batch position 1" in message and "batch position 3" in message
+    assert "patch_idx=1" in message and "patch_idx=3" in message
+    assert "batch position 0" not in message and "batch position 2" not in message
+    assert client.stats()["predict"].errors >= 1
+    assert len(client.predict_batch([bodies[0], bodies[2]])) == 2
+
+
+@pytest.mark.anyio
+async def test_a_failing_async_call_names_its_tile(
+    client: InProcessClient, model: CountingModel
+) -> None:
+    model.poison = True
+    with anyio.fail_after(30):
+        with pytest.raises(ModelExecutionError, match="patch_idx=7"):
+            await client.embed_async(white_body(7))
+        assert json.loads(await client.embed_async(make_body(8)))["patch_idx"] == 8
+
+
+# -- lifecycle ------------------------------------------------------------------------------
+
+
+def _every_call(c: InProcessClient) -> list[tuple[str, Callable[[], object]]]:
+    body = make_body(0)
+    calls: list[tuple[str, Callable[[], object]]] = []
+    for mode in MODES:
+        calls.append((mode, lambda m=mode: getattr(c, m)(body)))
+        calls.append((f"{mode}_batch", lambda m=mode: getattr(c, f"{m}_batch")([body])))
+    return calls
+
+
+def test_every_call_after_close_raises_client_closed(model: CountingModel) -> None:
+    c = InProcessClient(model, dynamic_batching=False)
+    assert c.predict(make_body(0))
+    c.close()
+    c.close()  # idempotent
+    assert c.closed
+    for name, call in _every_call(c):
+        with pytest.raises(ClientClosedError):
+            call()
+        assert name  # for the traceback
+    assert "closed" in repr(c)
+
+
+@pytest.mark.anyio
+async def test_async_calls_after_aclose_raise_client_closed(model: CountingModel) -> None:
+    async with InProcessClient(model, dynamic_batching=False) as c:
+        with anyio.fail_after(30):
+            assert json.loads(await c.predict_async(make_body(0)))["patch_idx"] == 0
+    assert c.closed
+    for mode in MODES:
+        with pytest.raises(ClientClosedError):
+            await getattr(c, f"{mode}_async")(make_body(0))
+    await c.aclose()  # idempotent
+
+
+def test_sync_context_manager_closes(model: CountingModel) -> None:
+    with InProcessClient(model, dynamic_batching=False) as c:
+        assert c.embed(make_body(0))
+    assert c.closed
+    with pytest.raises(ClientClosedError):
+        c.embed_batch([make_body(0)])
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_aclose_finishes_work_in_flight_and_refuses_new(model: CountingModel) -> None:
+    c = InProcessClient(model, dynamic_batching=False)
+    model.gate = threading.Event()
+    results: list[str] = []
+    closed = anyio.Event()
+
+    async def call() -> None:
+        results.append(await c.predict_async(make_body(3)))
+
+    async def close() -> None:
+        await c.aclose()
+        closed.set()
+
+    try:
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(call)
+                await wait_until(model.entered.is_set)
+                tg.start_soon(close)
+                await wait_until(lambda: c.closed)
+                with pytest.raises(ClientClosedError):
+                    await c.predict_async(make_body(4))
+                await anyio.sleep(0.05)
+                assert not closed.is_set(), "aclose returned while a call was still running"
+                model.gate.set()
+    finally:
+        model.gate.set()
+    assert closed.is_set()
+    assert [json.loads(r)["patch_idx"] for r in results] == [3]
+
+
+def test_from_checkpoint_builds_an_explicit_client(tiny_checkpoint: Any) -> None:
+    with InProcessClient.from_checkpoint(
+        "h1", tiny_checkpoint, max_batch_size=3, dynamic_batching=False, max_queue=10
+    ) as c:
+        meta = json.loads(c.metadata())
+        assert meta["batching"] == {
+            "dynamic_batching": False,
+            "max_batch_size": 3,
+            "max_wait_ms": 5.0,
+            "max_queue": 10,
+        }
+        assert meta["device"] == "cpu" and meta["checkpoint_kind"] == "torch.export"
+        assert len(c.predict_batch([make_body(i) for i in range(4)])) == 4
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"max_batch_size": 0}, {"max_wait_ms": -1.0}, {"overload": "drop"}]
+)
+def test_bad_settings_are_refused(tiny_model: ServerModel, kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        InProcessClient(tiny_model, dynamic_batching=False, **kwargs)
