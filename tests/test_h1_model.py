@@ -12,13 +12,14 @@ import torch
 from helpers import make_body
 
 from histoinfer import ServerModel, build_server_model
-from histoinfer.errors import UnsupportedModeError
-from histoinfer.models import SampleOutput
+from histoinfer.errors import ModelExecutionError, UnsupportedModeError
+from histoinfer.models import BatchOutput, SampleOutput
 from histoinfer.models.genes import REFERENCE_GENE_PANEL
 from histoinfer.models.h1 import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     H1ServerModel,
+    _partial,
     build_reference_module,
     export_reference_h1,
 )
@@ -166,6 +167,19 @@ def test_postprocess_echoes_the_request(tiny_model: ServerModel) -> None:
         assert "image_data" not in response
 
 
+def test_non_finite_outputs_fail_only_their_own_sample(tiny_model: ServerModel) -> None:
+    # JSON has no NaN: serialized, it became null, a response our own schema rejects.
+    predictions = torch.tensor([[1.0, 2.0], [float("nan"), 0.0], [3.0, 4.0]])
+    embedding = torch.tensor([[0.0], [1.0], [float("inf")]])
+    samples = BatchOutput(predictions, embedding).split()
+    assert [s.finite for s in samples] == [True, False, False]
+    assert [s.finite for s in BatchOutput(predictions, None).split()] == [True, False, True]
+    request = parse_request(make_body(9))
+    assert tiny_model.postprocess(request, samples[0], "predict").output == [1.0, 2.0]
+    with pytest.raises(ModelExecutionError, match=r"non-finite.*patch_idx=9"):
+        tiny_model.postprocess(request, samples[1], "predict")
+
+
 def test_bulk_rna_is_refused_by_h1(tiny_model: ServerModel) -> None:
     request = parse_request(make_body(0, bulk_rna=[1.0, 2.0]))
     with pytest.raises(UnsupportedModeError, match="'bulk_rna'"):
@@ -206,3 +220,19 @@ def test_unknown_size_and_bad_geometry_are_refused() -> None:
         build_reference_module("huge")
     with pytest.raises(ValueError, match="multiple of patch_size"):
         GeneViT(ViTConfig(tile_size=100, patch_size=16), num_genes=3)
+
+
+def test_partial_files_are_private_and_renamed_only_when_complete(tmp_path: Path) -> None:
+    final = tmp_path / "model.pt2"
+    with _partial(final) as a, _partial(final) as b:
+        # Two writers of the same file (two first runs of the demo) never share a file.
+        assert a != b and a.suffix == b.suffix == ".pt2" and a.parent == tmp_path
+        a.write_text("first")
+        b.write_text("second")
+        assert not final.exists()
+    assert final.read_text() == "first"  # the outer one finished last
+    with pytest.raises(RuntimeError), _partial(final) as c:
+        c.write_text("half")
+        raise RuntimeError("export failed")
+    assert final.read_text() == "first"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt2"]

@@ -41,6 +41,7 @@ class CountingModel(H1ServerModel):
     def __init__(self, source: ServerModel) -> None:
         self.calls: list[tuple[int, Mode]] = []
         self.poison = False
+        self.nan_on_white = False
         self.gate: threading.Event | None = None
         self.entered = threading.Event()
         self._lock = threading.Lock()
@@ -52,9 +53,17 @@ class CountingModel(H1ServerModel):
         self.entered.set()
         if self.gate is not None:
             assert self.gate.wait(timeout=20), "test gate never opened"
-        if self.poison and bool((batch == 255).flatten(1).all(1).any()):
+        white = (batch == 255).flatten(1).all(1)
+        if self.poison and bool(white.any()):
             raise RuntimeError("poisoned tile")
-        return super().forward_batch(batch, mode)
+        output = super().forward_batch(batch, mode)
+        if self.nan_on_white:
+
+            def spoil(t: torch.Tensor | None) -> torch.Tensor | None:
+                return None if t is None else torch.where(white[:, None], float("nan"), t)
+
+            output = BatchOutput(spoil(output.predictions), spoil(output.embedding))
+        return output
 
     def sizes(self) -> list[int]:
         with self._lock:
@@ -375,6 +384,21 @@ async def test_a_failing_async_call_names_its_tile(
         with pytest.raises(ModelExecutionError, match="patch_idx=7"):
             await client.embed_async(white_body(7))
         assert json.loads(await client.embed_async(make_body(8)))["patch_idx"] == 8
+
+
+@pytest.mark.anyio
+async def test_non_finite_outputs_are_a_model_error_for_that_tile(
+    client: InProcessClient, model: CountingModel
+) -> None:
+    # Regression: NaN was serialized as null, a response that violates the wire format.
+    model.nan_on_white = True
+    with anyio.fail_after(30):
+        for mode in MODES:
+            with pytest.raises(ModelExecutionError, match=r"non-finite.*patch_idx=5"):
+                await getattr(client, f"{mode}_async")(white_body(5))
+        with pytest.raises(ModelExecutionError, match="patch_idx=5"):
+            await anyio.to_thread.run_sync(client.predict_batch, [make_body(4), white_body(5)])
+        assert json.loads(await client.predict_async(make_body(4)))["output"]
 
 
 # -- lifecycle ------------------------------------------------------------------------------

@@ -182,7 +182,7 @@ def _patch_idx_hint(body: str | bytes) -> str:
         raw = json.loads(body)
     except (ValueError, TypeError, RecursionError):  # RecursionError: deeply nested JSON
         return ""
-    if isinstance(raw, dict) and isinstance(raw.get("patch_idx"), int):
+    if isinstance(raw, dict) and type(raw.get("patch_idx")) is int:  # not a bool
         return f" (patch_idx={raw['patch_idx']})"
     return ""
 

@@ -14,7 +14,7 @@ from typing import ClassVar, Self
 
 import torch
 
-from ..errors import InvalidRequestError, UnsupportedModeError
+from ..errors import InvalidRequestError, ModelExecutionError, UnsupportedModeError
 from ..schema import MODES, Mode, ModelMetadata, ModelRequest, ModelResponse
 from .assets import ModelAssets, load_assets
 from .checkpoint import CheckpointError, LoadedCheckpoint, load_checkpoint, sniff_kind
@@ -29,6 +29,8 @@ class SampleOutput:
 
     predictions: list[float] | None
     embedding: list[float] | None
+    #: False when the model gave NaN or infinity for this sample (JSON cannot carry them).
+    finite: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,13 +48,22 @@ class BatchOutput:
         # One .tolist() per tensor for the whole batch: far cheaper than one per sample.
         preds = self.predictions.tolist() if self.predictions is not None else None
         embs = self.embedding.tolist() if self.embedding is not None else None
+        finite: list[bool] = self._finite_rows().tolist()
         return [
             SampleOutput(
                 predictions=preds[i] if preds is not None else None,
                 embedding=embs[i] if embs is not None else None,
+                finite=finite[i],
             )
             for i in range(len(self))
         ]
+
+    def _finite_rows(self) -> torch.Tensor:
+        mask = torch.ones(len(self), dtype=torch.bool)
+        for tensor in (self.predictions, self.embedding):
+            if tensor is not None:
+                mask &= torch.isfinite(tensor).flatten(1).all(dim=1).cpu()
+        return mask
 
 
 class ServerModel:
@@ -144,6 +155,12 @@ class ServerModel:
             )
 
     def postprocess(self, request: ModelRequest, output: SampleOutput, mode: Mode) -> ModelResponse:
+        if not output.finite:
+            # JSON has no NaN: serialized, it would become null and break the response schema.
+            raise ModelExecutionError(
+                f"model {self.assets.name!r} produced non-finite values (NaN or infinity) "
+                f"for {request.where()}"
+            )
         values = output.embedding if mode == "embed" else output.predictions
         if values is None:
             raise InvalidRequestError(

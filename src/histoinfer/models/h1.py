@@ -8,8 +8,12 @@ user's own trained ``.pt2`` (same input/output contract) plugs in the same way.
 from __future__ import annotations
 
 import json
+import os
 import time
+import uuid
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,18 +91,32 @@ def export_reference_h1(size: str, out_dir: str | Path, *, aoti: bool = False) -
         warnings.simplefilter("ignore", FutureWarning)
         program = torch.export.export(module, (example,), dynamic_shapes={"x": {0: batch}})
         checkpoint = out / CHECKPOINT_FILE
-        # Write beside, then rename: a half-written checkpoint is never picked up.
-        partial = out / "model.partial.pt2"
-        torch.export.save(program, str(partial))
-        partial.replace(checkpoint)
+        with _partial(checkpoint) as partial:
+            torch.export.save(program, str(partial))
         aoti_path = None
         if aoti:
             import torch._inductor as inductor
 
             aoti_path = out / AOTI_CHECKPOINT_FILE
-            partial = out / "model-aoti.partial.pt2"
-            inductor.aoti_compile_and_package(program, package_path=str(partial))
-            partial.replace(aoti_path)
+            with _partial(aoti_path) as partial:
+                inductor.aoti_compile_and_package(program, package_path=str(partial))
     assets_path = out / ASSETS_FILE
-    assets_path.write_text(json.dumps(reference_assets(size).model_dump(), indent=2) + "\n")
+    with _partial(assets_path) as partial:
+        partial.write_text(json.dumps(reference_assets(size).model_dump(), indent=2) + "\n")
     return ReferenceExport(checkpoint, assets_path, aoti_path, time.perf_counter() - start)
+
+
+@contextmanager
+def _partial(final: Path) -> Iterator[Path]:
+    """A private path to write ``final`` to, renamed over it only once complete.
+
+    A half-written file is never picked up, and two processes exporting into the same folder
+    (two first runs of the demo) never write into the same file: the last rename wins, whole.
+    """
+    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    partial = final.with_name(f"{final.stem}.partial-{tag}{final.suffix}")
+    try:
+        yield partial
+        partial.replace(final)
+    finally:
+        partial.unlink(missing_ok=True)
