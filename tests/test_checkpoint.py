@@ -127,6 +127,28 @@ def test_corrupt_program_inside_a_valid_zip(tiny_checkpoint: Path, tmp_path: Pat
     raises_naming(path, lambda: load_checkpoint(path), "could not be loaded")
 
 
+@pytest.mark.parametrize(
+    ("device", "fragment"),
+    [
+        ("nonsense", "not a torch device"),
+        pytest.param(
+            "cuda",
+            "CUDA is not available",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here"),
+        ),
+    ],
+)
+def test_unusable_device_names_the_file(tiny_checkpoint: Path, device: str, fragment: str) -> None:
+    # Regression (AOTInductor packages): a bad device escaped as a bare RuntimeError or
+    # AssertionError, which the CLI printed as a traceback.
+    raises_naming(
+        tiny_checkpoint,
+        lambda: build_server_model("h1", tiny_checkpoint, device=device),
+        repr(device),
+        fragment,
+    )
+
+
 def test_checkpoint_error_is_catchable_as_inference_and_value_error() -> None:
     assert issubclass(CheckpointError, InferenceError)
     assert issubclass(CheckpointError, ValueError)
@@ -270,6 +292,14 @@ def test_aoti_package_matches_the_export_program(tmp_path: Path) -> None:
         assert a.embedding is not None and b.embedding is not None
         torch.testing.assert_close(a.predictions, b.predictions, atol=1e-4, rtol=0)
         torch.testing.assert_close(a.embedding, b.embedding, atol=1e-4, rtol=0)
+
+    # A package cannot change device: asking for another is a clear error, naming the file.
+    for device, fragment in (("meta", "compiled for 'cpu'"), ("nonsense", "not a torch device")):
+        raises_naming(
+            export.aoti_checkpoint,
+            lambda d=device: load_checkpoint(export.aoti_checkpoint, d),
+            fragment,
+        )
 
     # And end to end through the client, whatever the file is called.
     renamed = tmp_path / "package.bin"

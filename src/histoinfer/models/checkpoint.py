@@ -20,7 +20,14 @@ import torch
 
 from ..errors import InferenceError
 
-__all__ = ["CheckpointError", "CheckpointKind", "LoadedCheckpoint", "load_checkpoint", "sniff_kind"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointKind",
+    "LoadedCheckpoint",
+    "load_checkpoint",
+    "resolve_device",
+    "sniff_kind",
+]
 
 CheckpointKind = Literal["torch.export", "aoti"]
 Program = Callable[[torch.Tensor], object]
@@ -72,30 +79,64 @@ def sniff_kind(path: Path) -> CheckpointKind:
     )
 
 
-def _load_program(path: Path, kind: CheckpointKind, device: str) -> Program:
+def resolve_device(device: str | torch.device, path: Path) -> torch.device:
+    """``device`` as a ``torch.device`` this process can use, or an error naming the file."""
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise CheckpointError(
+            f"cannot load checkpoint {path}: {device!r} is not a torch device ({_first_line(exc)})"
+        ) from None
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise CheckpointError(
+                f"cannot load checkpoint {path} on {device!r}: CUDA is not available here "
+                f"(torch {torch.__version__}); use device='cpu'"
+            )
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise CheckpointError(
+                f"cannot load checkpoint {path} on {device!r}: only "
+                f"{torch.cuda.device_count()} CUDA device(s) here"
+            )
+    return resolved
+
+
+def _load_program(path: Path, kind: CheckpointKind, device: torch.device) -> Program:
     with warnings.catch_warnings():
         # torch warns about its own internals (pytree deprecations) on every load.
         warnings.simplefilter("ignore", FutureWarning)
         if kind == "aoti":
             import torch._inductor as inductor
 
-            # An AOTInductor package is compiled for one device type; torch picks it from the
-            # package, so a CPU package asked to run on CUDA fails here with a clear message.
-            return inductor.aoti_load_package(str(path))  # type: ignore[no-any-return]
+            index = device.index if device.type == "cuda" and device.index is not None else -1
+            package = inductor.aoti_load_package(str(path), device_index=index)
+            # A package is compiled for one device type and cannot be moved to another.
+            compiled_for = package.get_metadata().get("AOTI_DEVICE_KEY", device.type)
+            if compiled_for != device.type:
+                raise ValueError(
+                    f"the AOTInductor package was compiled for {compiled_for!r}; "
+                    f"compile one for {device.type!r} (or load it with device={compiled_for!r})"
+                )
+            return package  # type: ignore[no-any-return]
         program = torch.export.load(str(path)).module()
         program.to(device)
         return program  # type: ignore[no-any-return]
 
 
-def load_checkpoint(path: str | Path, device: str = "cpu") -> LoadedCheckpoint:
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> LoadedCheckpoint:
     """Load a ``.pt2`` file of either kind onto ``device``."""
     path = Path(path).expanduser()
     kind = sniff_kind(path)
+    resolved = resolve_device(device, path)
     try:
-        program = _load_program(path, kind, device)
+        program = _load_program(path, kind, resolved)
     except Exception as exc:
-        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise CheckpointError(
-            f"checkpoint {path} ({kind}) could not be loaded on device {device!r}: {first_line}"
+            f"checkpoint {path} ({kind}) could not be loaded on device {str(resolved)!r}: "
+            f"{_first_line(exc)}"
         ) from exc
     return LoadedCheckpoint(path=path, kind=kind, sha256=file_sha256(path), program=program)
