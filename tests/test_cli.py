@@ -85,6 +85,14 @@ def test_unknown_model_lists_the_available_ones(
     assert_one_line_error(code, err, "'h9'", "h1")
 
 
+def test_unusable_device_is_one_line(
+    tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["metadata", "--checkpoint", str(tiny_checkpoint), "--device", "tpu9"]
+    code, _, err = run(argv, capsys)
+    assert_one_line_error(code, err, str(tiny_checkpoint), "'tpu9'")
+
+
 def test_export_into_a_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     blocker = tmp_path / "taken"
     blocker.write_text("a file, not a folder")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -17,6 +18,8 @@ import anyio
 import pytest
 import torch
 from helpers import make_body, outputs_close, request_dict, tile_bytes
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
 from histoinfer import Client, InProcessClient, ServerModel
@@ -336,6 +339,39 @@ def test_batch_names_every_bad_position_and_computes_nothing(
     assert "patch_idx=1" in message and "patch_idx=4" in message
     assert model.calls == []
     assert len(client.embed_batch([b for i, b in enumerate(bodies) if i in (0, 2, 5)])) == 3
+
+
+GOOD = [make_body(i) for i in range(8)]
+QUICK_BAD = [
+    lambda i: make_body(i, x=-1),
+    lambda i: make_body(i, unknown=True),
+    lambda i: make_body(i, image_data="%%%"),
+    lambda i: make_body(i, width=3),
+    lambda i: "{",
+]
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(st.lists(st.integers(-1, len(QUICK_BAD) - 1), min_size=1, max_size=8))
+def test_batch_errors_name_exactly_the_bad_positions(
+    client: InProcessClient, model: CountingModel, kinds: list[int]
+) -> None:
+    model.reset()
+    bodies = [GOOD[i] if kind < 0 else QUICK_BAD[kind](i) for i, kind in enumerate(kinds)]
+    bad = {i for i, kind in enumerate(kinds) if kind >= 0}
+    if not bad:
+        responses = client.embed_batch(bodies)
+        assert [json.loads(r)["patch_idx"] for r in responses] == list(range(len(bodies)))
+        assert sum(model.sizes()) == len(bodies)
+        return
+    with pytest.raises(InvalidRequestError) as info:
+        client.embed_batch(bodies)
+    named = {int(m) for m in re.findall(r"batch position (\d+)", str(info.value))}
+    assert named == bad
+    assert f"{len(bad)} of {len(bodies)}" in str(info.value)
+    assert model.calls == []
 
 
 def test_bodies_must_be_a_list(client: InProcessClient) -> None:
