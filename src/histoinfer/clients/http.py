@@ -1,0 +1,543 @@
+"""``HttpClient``: the ``Client`` protocol against the histoinfer microservice, over httpx.
+
+A drop-in for :class:`~histoinfer.InProcessClient`: the same calls return the same JSON strings,
+and a failure raises the same exception class with the same message, mapped back from the
+server's RFC 9457 problem+json. It imports neither torch nor the models nor the batcher, so it
+loads fast wherever the model does not run.
+
+Sync and async calls share one request/retry policy (:class:`_Attempt`) and differ only in how
+they wait. The sync side uses one thread-safe ``httpx.Client``. An ``httpx.AsyncClient`` binds
+to the event loop it first runs on, so the async side keeps one pool per running loop (asyncio
+or trio, any number of threads), and closes each pool on its own loop when the loop ends or
+the client is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import email.utils
+import json
+import logging
+import random
+import threading
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from types import TracebackType
+from typing import Any, Self
+from urllib.parse import quote
+
+import anyio
+import anyio.lowlevel
+import httpx
+import sniffio
+
+from ..errors import ClientClosedError, InferenceError, InvalidRequestError, error_for_problem_type
+from ..schema import Mode, locate
+
+__all__ = ["BATCH_BODIES_JSON", "BYTES_KEY", "NDJSON", "HttpClient"]
+
+log = logging.getLogger("histoinfer.http")
+
+# The same values as in histoinfer.server.app (which this module must not import: FastAPI).
+#: Batch request whose elements are the bodies exactly as the caller passed them.
+BATCH_BODIES_JSON = "application/vnd.histoinfer.bodies+json"
+#: In such a batch, ``{BYTES_KEY: base64}`` stands for a bytes body that is not UTF-8.
+BYTES_KEY = "$bytes"
+#: Batch response with one response JSON per line: split exactly, no re-serialization.
+NDJSON = "application/x-ndjson"
+
+_PROBLEM_JSON = "application/problem+json"
+_ACCEPT = "application/json, application/problem+json"
+_RETRY_STATUSES = frozenset({502, 503, 504})
+# Failures where the request can safely be sent again: inference is a pure function.
+_RETRY_ERRORS = (httpx.NetworkError, httpx.ConnectTimeout, httpx.RemoteProtocolError)
+# What a non-string batch element becomes on the wire: only its type matters to the server,
+# which rejects it with the very message in-process callers get ("... got int"). A dict
+# becomes an empty one, so it can never be taken for a BYTES_KEY object.
+_PLACEHOLDERS: dict[type, object] = {
+    int: 0,
+    float: 0.0,
+    bool: False,
+    type(None): None,
+    list: [],
+    dict: {},
+}
+
+
+class HttpClient:
+    """Runs the ``Client`` protocol against a histoinfer server (``histoinfer serve``).
+
+    Args:
+        base_url: the server, e.g. ``"http://127.0.0.1:8080"`` (a path prefix is kept).
+        model: the served model's name (its route, ``/api/{mode}/{model}``).
+        timeout: seconds for each HTTP request (connect, write, read, pool).
+        max_connections: connection pool size (per event loop for async calls).
+        retries: how many times a request is sent again after a connection error or a
+            502/503/504; 4xx and 500 are never retried.
+        backoff: first retry delay in seconds, doubled each attempt (with jitter).
+        max_backoff: cap on one retry delay, including the server's ``Retry-After``.
+        httpx_options: passed to both ``httpx.Client`` and ``httpx.AsyncClient`` (headers,
+            auth, verify, proxy, ...).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str = "h1",
+        *,
+        timeout: float = 120.0,
+        max_connections: int = 256,
+        retries: int = 3,
+        backoff: float = 0.1,
+        max_backoff: float = 10.0,
+        **httpx_options: Any,
+    ) -> None:
+        if retries < 0:
+            raise ValueError(f"retries must be >= 0, got {retries}")
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.timeout = timeout
+        self.max_connections = max_connections
+        self.retries = retries
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+        self._options: dict[str, Any] = {
+            "timeout": httpx.Timeout(timeout),
+            "limits": httpx.Limits(
+                max_connections=max_connections, max_keepalive_connections=max_connections
+            ),
+            **httpx_options,
+        }
+        self._closed = False
+        self._lock = threading.Lock()
+        self._sync: httpx.Client | None = None
+        self._pools: dict[object, _LoopPool] = {}
+
+    # -- Client protocol: sync ---------------------------------------------------------------
+
+    def predict(self, body: str) -> str:
+        return self._infer(body, "predict")
+
+    def embed(self, body: str) -> str:
+        return self._infer(body, "embed")
+
+    def predict_with_embedding(self, body: str) -> str:
+        return self._infer(body, "predict_with_embedding")
+
+    def metadata(self) -> str:
+        url = self._url(f"/api/metadata/{self._model_path}")
+        return _text(self._send("GET", url, None, {"Accept": _ACCEPT}))
+
+    # -- Client protocol: async --------------------------------------------------------------
+
+    async def predict_async(self, body: str, session: object | None = None) -> str:
+        return await self._infer_async(body, "predict", session)
+
+    async def embed_async(self, body: str, session: object | None = None) -> str:
+        return await self._infer_async(body, "embed", session)
+
+    async def predict_with_embedding_async(self, body: str, session: object | None = None) -> str:
+        return await self._infer_async(body, "predict_with_embedding", session)
+
+    # -- Client protocol: explicit batches ---------------------------------------------------
+
+    def predict_batch(self, bodies: list[str]) -> list[str]:
+        return self._infer_batch(bodies, "predict")
+
+    def embed_batch(self, bodies: list[str]) -> list[str]:
+        return self._infer_batch(bodies, "embed")
+
+    def predict_with_embedding_batch(self, bodies: list[str]) -> list[str]:
+        return self._infer_batch(bodies, "predict_with_embedding")
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Close every connection pool; later calls raise :class:`ClientClosedError`.
+
+        Async pools are closed on their own loops (soon, if that loop is still running).
+        """
+        sync, pools = self._shut()
+        for pool in pools:
+            pool.request_close()
+        if sync is not None:
+            sync.close()
+
+    async def aclose(self) -> None:
+        sync, pools = self._shut()
+        here = _loop_key()
+        for pool in pools:
+            pool.request_close()
+            if pool.key == here:
+                await pool.client.aclose()  # this loop's pool is closed when we return
+        if sync is not None:
+            sync.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        closed = " closed" if self._closed else ""
+        return f"<HttpClient {self.model!r} at {self.base_url}{closed}>"
+
+    # -- requests ----------------------------------------------------------------------------
+
+    @property
+    def _model_path(self) -> str:
+        return quote(self.model, safe="")
+
+    def _url(self, path: str) -> str:
+        return self.base_url + path
+
+    def _infer(self, body: str, mode: Mode) -> str:
+        self._check_open()
+        url = self._url(f"/api/{mode}/{self._model_path}")
+        return _text(self._send("POST", url, _encode_body(body), _JSON_HEADERS))
+
+    async def _infer_async(self, body: str, mode: Mode, session: object | None) -> str:
+        self._check_open()
+        url = self._url(f"/api/{mode}/{self._model_path}")
+        client = self._async_client(session)
+        response = await self._send_async(client, "POST", url, _encode_body(body), _JSON_HEADERS)
+        return _text(response)
+
+    def _infer_batch(self, bodies: list[str], mode: Mode) -> list[str]:
+        self._check_open()
+        content = _encode_batch(bodies)
+        url = self._url(f"/api/{mode}/{self._model_path}/batch")
+        response = self._send("POST", url, content, _BATCH_HEADERS)
+        return _split_batch(response, len(bodies))
+
+    def _send(
+        self, method: str, url: str, content: bytes | None, headers: dict[str, str]
+    ) -> httpx.Response:
+        client = self._sync_client()
+        attempt = _Attempt(self, method, url)
+        while True:
+            try:
+                response = client.request(method, url, content=content, headers=headers)
+            except httpx.HTTPError as exc:
+                delay = attempt.failed(exc)
+            except RuntimeError as exc:  # httpx: "the client has been closed"
+                raise self._closed_error(exc) from None
+            else:
+                retry = attempt.answered(response)
+                if retry is None:
+                    return response
+                delay = retry
+            time.sleep(delay)
+
+    async def _send_async(
+        self,
+        client: httpx.AsyncClient,
+        method: str,
+        url: str,
+        content: bytes | None,
+        headers: dict[str, str],
+    ) -> httpx.Response:
+        attempt = _Attempt(self, method, url)
+        while True:
+            try:
+                response = await client.request(method, url, content=content, headers=headers)
+            except httpx.HTTPError as exc:
+                delay = attempt.failed(exc)
+            except RuntimeError as exc:
+                raise self._closed_error(exc) from None
+            else:
+                retry = attempt.answered(response)
+                if retry is None:
+                    return response
+                delay = retry
+            await anyio.sleep(delay)
+
+    # -- pools -------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClientClosedError("the client is closed")
+
+    def _closed_error(self, exc: RuntimeError) -> Exception:
+        return ClientClosedError("the client is closed") if self._closed else exc
+
+    def _sync_client(self) -> httpx.Client:
+        with self._lock:
+            if self._closed:
+                raise ClientClosedError("the client is closed")
+            if self._sync is None:
+                self._sync = httpx.Client(**self._options)
+            return self._sync
+
+    def _async_client(self, session: object | None) -> httpx.AsyncClient:
+        if session is not None:
+            if not isinstance(session, httpx.AsyncClient):
+                raise TypeError(
+                    f"session must be an httpx.AsyncClient, got {type(session).__name__}"
+                )
+            return session
+        key = _loop_key()
+        with self._lock:
+            if self._closed:
+                raise ClientClosedError("the client is closed")
+            pool = self._pools.get(key)
+            if pool is not None:
+                return pool.client
+            for stale in [k for k, p in self._pools.items() if p.finished()]:
+                del self._pools[stale]
+            pool = self._pools[key] = _LoopPool(
+                httpx.AsyncClient(**self._options), key, self._pools, self._lock
+            )
+        pool.start_keeper()
+        return pool.client
+
+    def _shut(self) -> tuple[httpx.Client | None, list[_LoopPool]]:
+        with self._lock:
+            self._closed = True
+            sync, self._sync = self._sync, None
+            pools = list(self._pools.values())
+            self._pools.clear()
+        return sync, pools
+
+
+_JSON_HEADERS = {"Content-Type": "application/json", "Accept": _ACCEPT}
+_BATCH_HEADERS = {"Content-Type": BATCH_BODIES_JSON, "Accept": f"{NDJSON}, {_PROBLEM_JSON}"}
+
+
+class _Attempt:
+    """The retry policy of one call, shared by the sync and async send loops.
+
+    ``failed`` and ``answered`` return the delay before the next try, or raise the error to
+    give the caller (``answered`` returns None for a success).
+    """
+
+    def __init__(self, client: HttpClient, method: str, url: str) -> None:
+        self.client = client
+        self.method = method
+        self.url = url
+        self.number = 0
+
+    def failed(self, exc: httpx.HTTPError) -> float:
+        if not isinstance(exc, _RETRY_ERRORS) or self.number >= self.client.retries:
+            tries = f" after {self.number + 1} attempts" if self.number else ""
+            if isinstance(exc, httpx.TimeoutException):
+                why = f"no answer within {self.client.timeout:g} s"
+            else:
+                why = "cannot reach the server"
+            raise InferenceError(
+                f"{self.method} {self.url} failed{tries}: {why} ({type(exc).__name__}: {exc})"
+            ) from exc
+        return self._next(None)
+
+    def answered(self, response: httpx.Response) -> float | None:
+        if response.is_success:
+            return None
+        if response.status_code in _RETRY_STATUSES and self.number < self.client.retries:
+            log.debug("HTTP %d from %s; retrying", response.status_code, self.url)
+            return self._next(response)
+        raise _error_from(response)
+
+    def _next(self, response: httpx.Response | None) -> float:
+        cap = self.client.max_backoff
+        delay = min(cap, self.client.backoff * 2.0**self.number) * random.uniform(0.5, 1.0)
+        if response is not None:
+            retry_after = _retry_after(response.headers.get("retry-after"))
+            if retry_after is not None:
+                delay = min(cap, retry_after)
+        self.number += 1
+        return delay
+
+
+def _retry_after(value: str | None) -> float | None:
+    """``Retry-After`` in seconds: delay-seconds, or an HTTP date."""
+    if not value:
+        return None
+    if value.strip().isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return max(0.0, (when - datetime.now(UTC)).total_seconds())
+
+
+def _error_from(response: httpx.Response) -> InferenceError:
+    """The exception InProcessClient raises, from a problem+json body: same class, message."""
+    status = response.status_code
+    if response.headers.get("content-type", "").startswith(_PROBLEM_JSON):
+        try:
+            problem = json.loads(response.content)
+        except ValueError:
+            problem = None
+        if isinstance(problem, dict) and isinstance(problem.get("detail"), str):
+            return error_for_problem_type(problem.get("type"), status)(problem["detail"])
+    text = response.content[:300].decode("utf-8", "replace")
+    return error_for_problem_type(None, status)(
+        f"HTTP {status} from {response.request.method} {response.request.url}: {text}"
+    )
+
+
+def _text(response: httpx.Response) -> str:
+    return response.content.decode("utf-8")
+
+
+def _encode_body(body: str | bytes) -> bytes:
+    if isinstance(body, str):
+        return body.encode("utf-8", "surrogatepass")
+    if isinstance(body, bytes | bytearray):
+        return bytes(body)
+    raise InvalidRequestError(
+        f"invalid request: body must be a JSON string, got {type(body).__name__}"
+    )
+
+
+def _encode_batch(bodies: Sequence[object]) -> bytes:
+    """The bodies as a JSON list, each string exactly as given (``BATCH_BODIES_JSON``)."""
+    if not isinstance(bodies, list):
+        raise InvalidRequestError(
+            f"bodies must be a list of JSON strings, got {type(bodies).__name__}"
+        )
+    items: list[object] = []
+    for position, body in enumerate(bodies):
+        if isinstance(body, str):
+            items.append(body)
+        elif isinstance(body, bytes | bytearray):
+            try:
+                items.append(bytes(body).decode("utf-8"))
+            except UnicodeDecodeError:  # sent as is, for the server to refuse as in-process
+                items.append({BYTES_KEY: base64.b64encode(body).decode("ascii")})
+        elif type(body) in _PLACEHOLDERS:
+            items.append(_PLACEHOLDERS[type(body)])
+        else:
+            raise InvalidRequestError(
+                f"invalid request{locate(position)}: body must be a JSON string, "
+                f"got {type(body).__name__}"
+            )
+    return json.dumps(items, ensure_ascii=False).encode("utf-8", "surrogatepass")
+
+
+def _split_batch(response: httpx.Response, expected: int) -> list[str]:
+    """One response string per request, exactly as the server wrote them."""
+    if response.headers.get("content-type", "").startswith(NDJSON):
+        lines = response.content.decode("utf-8").split("\n")
+        responses = lines[:-1] if lines and lines[-1] == "" else lines
+    else:  # a server that ignores Accept: re-serialize its JSON list, compactly
+        items = json.loads(response.content)
+        responses = [json.dumps(i, separators=(",", ":"), ensure_ascii=False) for i in items]
+    if len(responses) != expected:
+        raise InferenceError(f"the server answered {len(responses)} responses for {expected}")
+    return responses
+
+
+# -- one async pool per event loop ---------------------------------------------------------
+
+
+def _loop_key() -> object:
+    """The running loop's native identity: the asyncio loop, or trio's ``TrioToken``."""
+    try:
+        return anyio.lowlevel.current_token().native_token
+    except Exception:
+        return None
+
+
+class _LoopPool:
+    """An ``httpx.AsyncClient`` bound to one loop, and the keeper task that closes it there.
+
+    The keeper sleeps until the loop ends (its tasks are cancelled) or the HttpClient closes
+    (it is cancelled from any thread, through the loop's thread-safe callback), then closes the
+    pool on its own loop, so no connection outlives its loop.
+    """
+
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        key: object,
+        registry: dict[object, _LoopPool],
+        lock: threading.Lock,
+    ) -> None:
+        self.client = client
+        self.key = key
+        self._registry = registry
+        self._registry_lock = lock
+        self._lock = threading.Lock()
+        self._scope: anyio.CancelScope | None = None
+        self._closing = False
+        self._task: asyncio.Task[None] | None = None  # asyncio holds tasks weakly
+
+    def start_keeper(self) -> None:
+        if sniffio.current_async_library() == "trio":
+            import trio
+
+            trio.lowlevel.spawn_system_task(self._keep, name="histoinfer-http-pool")
+        else:
+            self._task = asyncio.get_running_loop().create_task(
+                self._keep(), name="histoinfer-http-pool"
+            )
+
+    async def _keep(self) -> None:
+        try:
+            with anyio.CancelScope() as scope:
+                with self._lock:
+                    self._scope = scope
+                    if self._closing:
+                        scope.cancel()
+                await anyio.sleep_forever()
+        finally:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await self.client.aclose()
+                except Exception:  # a trio system task must not raise
+                    log.debug("closing an HTTP pool failed", exc_info=True)
+            with self._registry_lock:
+                if self._registry.get(self.key) is self:
+                    del self._registry[self.key]
+
+    def request_close(self) -> None:
+        """Cancel the keeper from any thread; it closes the pool on its loop."""
+        with self._lock:
+            self._closing = True
+            scope = self._scope
+        if scope is None:
+            return  # the keeper has not started: it will see _closing
+        try:
+            if isinstance(self.key, asyncio.AbstractEventLoop):
+                self.key.call_soon_threadsafe(scope.cancel)
+            else:
+                self.key.run_sync_soon(scope.cancel)  # type: ignore[attr-defined]
+        except Exception:  # the loop has ended, and its connections with it
+            pass
+
+    def finished(self) -> bool:
+        """Whether this pool's loop has ended (its entry can be dropped)."""
+        if isinstance(self.key, asyncio.AbstractEventLoop):
+            return self.key.is_closed()
+        try:
+            self.key.run_sync_soon(lambda: None)  # type: ignore[attr-defined]
+        except Exception:  # trio.RunFinishedError
+            return True
+        return False

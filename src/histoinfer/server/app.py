@@ -1,0 +1,465 @@
+"""``create_app``: the FastAPI microservice, HTTP over :class:`~histoinfer.InProcessClient`.
+
+Every inference route reads the raw body bytes and hands them to the very client an in-process
+user would call, then returns its JSON string untouched: the server cannot drift from the
+in-process behaviour, and the hot path has no ``json.loads``/``dumps`` round trip.
+
+Lifecycle: the port opens at once (``/health/live`` answers), models load and warm up in a
+worker thread, and ``/health/ready`` turns 200 only when every model is ready. On shutdown
+the app first drains (new requests get 503 ``closed``, readiness fails so load balancers move
+away), lets in-flight requests finish, then closes its clients.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import logging
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
+from typing import Any, Literal
+
+import anyio
+import anyio.to_thread
+import pydantic_core
+import torch
+from fastapi import FastAPI, Request
+from PIL import Image
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
+from starlette.responses import JSONResponse, Response
+
+from .. import __version__
+from ..clients.inprocess import InProcessClient, device_lock
+from ..errors import ClientClosedError, InvalidRequestError, UnsupportedModeError
+from ..schema import (
+    INVOCATION_MODES,
+    MODES,
+    InvocationEnvelope,
+    InvocationRequest,
+    Mode,
+    ModelMetadata,
+    ModelRequest,
+    ModelResponse,
+    parse_model,
+)
+from .metrics import HttpCounters, StatsCollector, render_metrics
+from .problems import (
+    PROBLEM_JSON,
+    ModelNotReadyError,
+    PayloadTooLargeError,
+    Problem,
+    UnknownModelError,
+    install_problem_handlers,
+)
+
+__all__ = ["BATCH_BODIES_JSON", "BYTES_KEY", "NDJSON", "ClientSource", "ServerState", "create_app"]
+
+log = logging.getLogger("histoinfer.server")
+
+#: A ready client, or a factory that loads one (called in a worker thread at startup).
+ClientSource = InProcessClient | Callable[[], InProcessClient]
+
+#: Batch request type whose list elements are the bodies exactly as the caller gave them
+#: (what :class:`~histoinfer.HttpClient` sends): strings reach the model byte for byte.
+BATCH_BODIES_JSON = "application/vnd.histoinfer.bodies+json"
+#: In such a batch, ``{BYTES_KEY: base64}`` stands for a bytes body that is not UTF-8.
+BYTES_KEY = "$bytes"
+#: Batch response type with one response JSON per line: split exactly, without re-parsing.
+NDJSON = "application/x-ndjson"
+
+_JSON = "application/json"
+# Past the limit the rest of the body is read and dropped (up to this much) before answering
+# 413: a client still writing would otherwise see a connection reset instead of the 413.
+_DRAIN_CAP = 256 * 1024 * 1024
+
+Status = Literal["loading", "ready", "failed", "closed"]
+
+
+class ServedModel:
+    """One model behind the routes: its client once loaded, and where it is in its life."""
+
+    def __init__(self, name: str, source: ClientSource) -> None:
+        self.name = name
+        self.client = source if isinstance(source, InProcessClient) else None
+        self.factory = None if isinstance(source, InProcessClient) else source
+        self.status: Status = "loading"
+        self.error: str | None = None
+
+
+class ServerState:
+    """What the routes share: the models, the limits, and whether the server is draining.
+
+    ``begin_drain`` is safe to call from a signal handler: it only flips a flag.
+    """
+
+    def __init__(
+        self,
+        models: Mapping[str, ClientSource],
+        *,
+        max_body_bytes: int,
+        retry_after: int,
+        warmup: bool,
+    ) -> None:
+        if not models:
+            raise ValueError("create_app needs at least one model")
+        self.models = {name: ServedModel(name, source) for name, source in models.items()}
+        self.max_body_bytes = max_body_bytes
+        self.retry_after = retry_after
+        self.warmup = warmup
+        self.draining = False
+        #: Called (on the event loop) if a model fails to load: the CLI stops the server.
+        self.on_fatal: Callable[[], None] | None = None
+        self.http = HttpCounters()
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(StatsCollector(self.loaded_clients, self.http))
+
+    # -- what the routes ask -------------------------------------------------------------
+
+    def client(self, name: str) -> InProcessClient:
+        served = self.models.get(name)
+        if served is None:
+            raise UnknownModelError(
+                f"unknown model {name!r}; served here: {', '.join(sorted(self.models))}"
+            )
+        if self.draining:
+            raise ClientClosedError("the server is shutting down; retry on another instance")
+        if served.status != "ready" or served.client is None:
+            why = f": {served.error}" if served.error else "; retry shortly"
+            raise ModelNotReadyError(f"model {name!r} is not ready ({served.status}){why}")
+        return served.client
+
+    @property
+    def ready(self) -> bool:
+        return not self.draining and all(m.status == "ready" for m in self.models.values())
+
+    def loaded_clients(self) -> dict[str, InProcessClient | None]:
+        return {
+            name: m.client if m.status in ("ready", "closed") else None
+            for name, m in self.models.items()
+        }
+
+    def begin_drain(self) -> None:
+        """Refuse new requests (503 ``closed``) and fail readiness; in-flight ones go on."""
+        self.draining = True
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def load_all(self) -> None:
+        """Load (in a worker thread) and warm up every model, one after the other."""
+        for served in self.models.values():
+            try:
+                if served.client is None:
+                    assert served.factory is not None
+                    log.info("loading model %r", served.name)
+                    # abandon_on_cancel: a shutdown during a long load need not wait for it.
+                    served.client = await anyio.to_thread.run_sync(
+                        served.factory, abandon_on_cancel=True
+                    )
+                if self.warmup:
+                    await anyio.to_thread.run_sync(warm_up, served.client, abandon_on_cancel=True)
+            except Exception as exc:
+                served.status, served.error = "failed", f"{type(exc).__name__}: {exc}"
+                log.error("model %r failed to load: %s", served.name, served.error)
+                if self.on_fatal is not None:
+                    self.on_fatal()
+                return
+            served.status = "ready"
+            log.info("model %r is ready", served.name)
+
+    async def close_all(self) -> None:
+        """Finish in-flight work and release every client (they refuse new work after)."""
+        self.begin_drain()
+        for served in self.models.values():
+            if served.client is not None:
+                await served.client.aclose()
+                if served.status == "ready":
+                    served.status = "closed"
+
+
+def warm_up(client: InProcessClient) -> None:
+    """Run one real tile through every mode, so the first user request pays no first-call cost.
+
+    It calls the model directly (not the client), so warm-up tiles do not show in the stats.
+    """
+    model = client.server_model
+    meta = model.metadata()
+    size = meta.tile_size
+    buffer = io.BytesIO()
+    Image.new("RGB", (size, size), (214, 166, 196)).save(buffer, format="PNG")
+    request = ModelRequest(
+        image_data=base64.b64encode(buffer.getvalue()).decode(),
+        slide_name="warm-up",
+        x=0,
+        y=0,
+        width=size,
+        height=size,
+        patch_idx=0,
+    )
+    tile = model.prepare_sample(request)
+    for mode in meta.modes:
+        with device_lock(model.device):
+            output = model.forward_batch(torch.stack([tile]), mode)
+        model.postprocess(request, output.split()[0], mode).model_dump_json()
+
+
+# -- request helpers ---------------------------------------------------------------------
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw body, refused with 413 over ``limit`` bytes (declared or actually streamed)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        await _discard(request, 0)
+        raise PayloadTooLargeError(
+            f"request body is {int(declared)} bytes; the limit is {limit} bytes"
+        )
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            await _discard(request, size)
+            raise PayloadTooLargeError(f"request body is over the limit of {limit} bytes")
+        chunks.append(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def _discard(request: Request, already: int) -> None:
+    size = already
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > _DRAIN_CAP:
+            return
+
+
+def _mode(mode: str) -> Mode:
+    if mode not in MODES:
+        raise UnsupportedModeError(f"unknown mode {mode!r} (modes: {', '.join(MODES)})")
+    return mode
+
+
+def _batch_bodies(raw: bytes, verbatim: bool) -> Any:
+    """The bodies of a batch request, for ``InProcessClient.infer_batch``.
+
+    String elements are passed as they are (they are request bodies). Object elements are
+    requests written inline (curl): they are serialized back to JSON text, unless the request
+    is ``BATCH_BODIES_JSON``, where every element is exactly what the caller passed (a dict is
+    refused as in-process; ``{BYTES_KEY: base64}`` is a bytes body). A body that is not a list
+    is passed on too: ``infer_batch`` rejects it with the message in-process callers get.
+    """
+    try:
+        items = pydantic_core.from_json(raw, allow_inf_nan=False)
+    except ValueError as exc:
+        raise InvalidRequestError(f"invalid batch: body is not valid JSON ({exc})") from None
+    if not isinstance(items, list):
+        return items
+    if verbatim:
+        return [_bytes_body(item) if isinstance(item, dict) else item for item in items]
+    return [pydantic_core.to_json(item) if isinstance(item, dict) else item for item in items]
+
+
+def _bytes_body(item: dict[str, Any]) -> Any:
+    encoded = item.get(BYTES_KEY)
+    if len(item) == 1 and isinstance(encoded, str):
+        try:
+            return base64.b64decode(encoded, validate=True)
+        except ValueError:
+            pass
+    return item
+
+
+def _json(text: str) -> Response:
+    return Response(content=text, media_type=_JSON)
+
+
+def _docs(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    schema = Problem.model_json_schema()
+    return {
+        status: {"description": description, "content": {PROBLEM_JSON: {"schema": schema}}}
+        for status, description in {
+            400: "unsupported mode",
+            404: "unknown model",
+            413: "request body over the size limit",
+            422: "invalid request (bad JSON, schema violation, undecodable image, wrong size)",
+            500: "the forward pass failed",
+            503: "overloaded, not ready, or shutting down (see Retry-After)",
+        }.items()
+        if status in statuses
+    }
+
+
+def _body_docs(schema: dict[str, Any], *content_types: str) -> dict[str, Any]:
+    content = {ctype: {"schema": schema} for ctype in content_types}
+    return {"requestBody": {"required": True, "content": content}}
+
+
+# -- the app -----------------------------------------------------------------------------
+
+
+def create_app(
+    models: InProcessClient | Mapping[str, ClientSource],
+    *,
+    max_body_bytes: int = 64 * 1024 * 1024,
+    retry_after: int = 1,
+    warmup: bool = True,
+) -> FastAPI:
+    """Build the microservice over one or more in-process clients.
+
+    Args:
+        models: a client (served under its model's name), or ``{route name: client or
+            factory}``. Factories are called in a worker thread at startup, so the port opens
+            (and ``/health/live`` answers) while a large checkpoint loads. The app owns its
+            clients: it closes them at shutdown. Build them with ``overload="reject"`` so a full
+            queue answers 503 at once (the CLI does); with the default ``"wait"`` requests
+            wait for room instead.
+        max_body_bytes: larger request bodies are refused with 413.
+        retry_after: seconds sent in ``Retry-After`` with every 503.
+        warmup: run one tile through every mode before reporting ready.
+
+    The app must run its lifespan (every ASGI server does; in tests use
+    ``async with app.router.lifespan_context(app)``). Its :class:`ServerState` is
+    ``app.state.histoinfer``.
+    """
+    if isinstance(models, InProcessClient):
+        models = {models.server_model.metadata().name: models}
+    state = ServerState(
+        models, max_body_bytes=max_body_bytes, retry_after=retry_after, warmup=warmup
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(state.load_all)
+            try:
+                yield
+            finally:
+                state.begin_drain()
+                tg.cancel_scope.cancel()
+        with anyio.CancelScope(shield=True):
+            await state.close_all()
+
+    app = FastAPI(
+        title="histoinfer",
+        version=__version__,
+        summary="Computational-pathology tile models (gene expression, embeddings) over HTTP.",
+        lifespan=lifespan,
+    )
+    app.state.histoinfer = state
+    install_problem_handlers(app, retry_after)
+    app.add_middleware(_CountingMiddleware, counters=state.http)
+
+    request_schema = ModelRequest.model_json_schema()
+
+    @app.get(
+        "/api/metadata/{model}",
+        tags=["inference"],
+        response_class=Response,
+        responses={200: {"model": ModelMetadata}, **_docs(404, 503)},
+    )
+    async def metadata(model: str) -> Response:
+        """The model's metadata (SPEC §3.3), with the batching settings in force."""
+        return _json(state.client(model).metadata())
+
+    @app.post(
+        "/api/{mode}/{model}",
+        tags=["inference"],
+        response_class=Response,
+        responses={200: {"model": ModelResponse}, **_docs(400, 404, 413, 422, 500, 503)},
+        openapi_extra=_body_docs(request_schema, _JSON),
+    )
+    async def infer(mode: str, model: str, request: Request) -> Response:
+        """One tile through ``mode`` (predict, embed or predict_with_embedding).
+
+        Concurrent requests are batched dynamically; a full queue answers 503 at once.
+        """
+        checked = _mode(mode)
+        client = state.client(model)
+        body = await read_body(request, state.max_body_bytes)
+        return _json(await client.infer_async(body, checked))
+
+    @app.post(
+        "/api/{mode}/{model}/batch",
+        tags=["inference"],
+        response_class=Response,
+        responses={200: {"model": list[ModelResponse]}, **_docs(400, 404, 413, 422, 500, 503)},
+        openapi_extra=_body_docs(
+            {"type": "array", "items": request_schema}, _JSON, BATCH_BODIES_JSON
+        ),
+    )
+    async def infer_batch(mode: str, model: str, request: Request) -> Response:
+        """A pre-formed batch, all or nothing: one invalid request fails the call, naming
+        every bad position, and nothing is computed.
+
+        Answers a JSON list, or one response per line if the request accepts NDJSON.
+        """
+        checked = _mode(mode)
+        client = state.client(model)
+        raw = await read_body(request, state.max_body_bytes)
+        verbatim = request.headers.get("content-type", "").startswith(BATCH_BODIES_JSON)
+        bodies = _batch_bodies(raw, verbatim)
+        responses = await anyio.to_thread.run_sync(client.infer_batch, bodies, checked)
+        if NDJSON in request.headers.get("accept", ""):
+            return Response(content="".join(r + "\n" for r in responses), media_type=NDJSON)
+        return _json("[" + ",".join(responses) + "]")
+
+    @app.post(
+        "/invocations",
+        tags=["inference"],
+        response_class=Response,
+        responses={200: {"model": ModelResponse}, **_docs(400, 404, 413, 422, 500, 503)},
+        openapi_extra=_body_docs(InvocationRequest.model_json_schema(), _JSON),
+    )
+    async def invocations(request: Request) -> Response:
+        """SageMaker-style dispatch on ``model_name`` and ``mode`` (``prediction``,
+        ``embedding``, ``prediction_with_embedding`` or ``metadata``)."""
+        raw = await read_body(request, state.max_body_bytes)
+        envelope: InvocationEnvelope = parse_model(InvocationEnvelope, raw, "invocation")
+        client = state.client(envelope.model_name)
+        if envelope.mode == "metadata":
+            return _json(client.metadata())
+        invocation: InvocationRequest = parse_model(InvocationRequest, raw, "invocation")
+        body = invocation.to_model_request().model_dump_json()
+        return _json(await client.infer_async(body, INVOCATION_MODES[envelope.mode]))
+
+    def readiness() -> JSONResponse:
+        status = "draining" if state.draining else "ready" if state.ready else "not ready"
+        content = {
+            "status": status,
+            "models": {name: m.status for name, m in state.models.items()},
+        }
+        errors = {name: m.error for name, m in state.models.items() if m.error}
+        if errors:
+            content["errors"] = errors
+        return JSONResponse(content, status_code=200 if state.ready else 503)
+
+    @app.get("/health/ready", tags=["health"])
+    async def health_ready() -> JSONResponse:
+        """200 once every model is loaded and warmed up; 503 while loading or draining."""
+        return readiness()
+
+    @app.get("/ping", tags=["health"])
+    async def ping() -> JSONResponse:
+        """SageMaker's health check: the same as ``/health/ready``."""
+        return readiness()
+
+    @app.get("/health/live", tags=["health"])
+    async def health_live() -> JSONResponse:
+        """200 while the process serves HTTP, even while models load."""
+        return JSONResponse({"status": "alive"})
+
+    @app.get("/metrics", tags=["health"], response_class=Response)
+    async def metrics() -> Response:
+        """Prometheus text: batches, batch sizes, queue depth and wait, forward time, errors."""
+        return Response(render_metrics(state.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+class _CountingMiddleware:
+    """Starlette middleware form of :meth:`HttpCounters.middleware`."""
+
+    def __init__(self, app: Any, counters: HttpCounters) -> None:
+        self._app = counters.middleware(app)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self._app(scope, receive, send)

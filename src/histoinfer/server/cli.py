@@ -1,0 +1,196 @@
+"""``histoinfer serve``: load models and run the microservice under uvicorn or hypercorn.
+
+Both servers get the same shutdown: on SIGTERM or SIGINT the app starts draining at once (new
+requests 503, readiness fails), the server stops accepting connections, in-flight requests
+finish (up to ``--graceful-timeout``), then the clients are closed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import signal
+import sys
+from functools import partial
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import anyio
+
+from ..cli import CommandError
+from ..clients.inprocess import InProcessClient
+from .app import ClientSource, ServerState, create_app
+
+__all__ = ["configure", "run"]
+
+log = logging.getLogger("histoinfer.server")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add the ``serve`` options (called by ``histoinfer.cli`` only when ``serve`` is run)."""
+    parser.description = (
+        "Serve one or more models over HTTP (FastAPI). Repeat --model/--checkpoint "
+        "(and --assets) to serve several models from one process; see docs/server.md."
+    )
+    add = parser.add_argument
+    add(
+        "--model",
+        action="append",
+        required=True,
+        metavar="NAME[=KEY]",
+        help="route name and registry key (h1), or NAME=KEY to serve registry key KEY under "
+        "another name; repeat to serve several models",
+    )
+    add("--checkpoint", action="append", type=Path, required=True, help="the .pt2, per --model")
+    add("--assets", action="append", type=Path, help="assets dir per --model (default: beside it)")
+    add("--device", default="cpu", help="torch device; run one process per GPU")
+    add("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    add("--port", type=int, default=8080, help="port to bind (default: 8080)")
+    add("--server", choices=["uvicorn", "hypercorn"], default="uvicorn")
+    add("--backend", choices=["asyncio", "trio"], default="asyncio", help="trio: hypercorn only")
+    add("--max-batch-size", type=int, default=64, help="most tiles per forward pass")
+    add("--max-wait-ms", type=float, default=5.0, help="longest a tile waits for a batch")
+    add("--max-queue", type=int, default=1024, help="requests admitted per mode; more get 503")
+    add("--max-body-mb", type=float, default=64.0, help="larger request bodies get 413")
+    add("--retry-after", type=int, default=1, help="seconds in Retry-After on 503")
+    add("--graceful-timeout", type=float, default=30.0, help="seconds in-flight requests get")
+    add("--no-warmup", action="store_true", help="report ready without a warm-up pass")
+    add("--access-log", action="store_true", help="log every request (costs throughput)")
+    add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def model_sources(args: argparse.Namespace) -> dict[str, ClientSource]:
+    """``{route name: factory}`` from the repeated --model/--checkpoint/--assets options."""
+    models: list[str] = args.model
+    checkpoints: list[Path] = args.checkpoint
+    assets: list[Path | None] = args.assets or [None] * len(models)
+    if len(checkpoints) != len(models) or len(assets) != len(models):
+        raise CommandError(
+            f"give one --checkpoint (and none or one --assets) per --model: got "
+            f"{len(models)} --model, {len(checkpoints)} --checkpoint, "
+            f"{len(args.assets or [])} --assets"
+        )
+    sources: dict[str, ClientSource] = {}
+    for spec, checkpoint, assets_dir in zip(models, checkpoints, assets, strict=True):
+        name, _, key = spec.partition("=")
+        key = key or name
+        if name in sources:
+            raise CommandError(f"model name {name!r} given twice; use NAME=KEY to rename one")
+        if not checkpoint.is_file():
+            raise CommandError(f"checkpoint {checkpoint} for model {name!r} is not a file")
+        sources[name] = partial(
+            InProcessClient.from_checkpoint,
+            key,
+            checkpoint,
+            args.device,
+            assets_dir,
+            max_batch_size=args.max_batch_size,
+            max_wait_ms=args.max_wait_ms,
+            max_queue=args.max_queue,
+            overload="reject",  # the server answers 503 at once rather than queueing forever
+        )
+    return sources
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.server == "uvicorn" and args.backend == "trio":
+        raise CommandError("uvicorn runs on asyncio only; use --server hypercorn --backend trio")
+    sources = model_sources(args)
+    logging.getLogger("histoinfer").setLevel(args.log_level.upper())
+    app = create_app(
+        sources,
+        max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+        retry_after=args.retry_after,
+        warmup=not args.no_warmup,
+    )
+    state: ServerState = app.state.histoinfer
+    names = ", ".join(state.models)
+    print(
+        f"histoinfer: serving {names} on http://{_authority(args.host, args.port)} "
+        f"({args.server}, {args.backend}); ready at /health/ready once loaded",
+        file=sys.stderr,
+        flush=True,
+    )
+    if args.server == "uvicorn":
+        _run_uvicorn(app, state, args)
+    else:
+        _run_hypercorn(app, state, args)
+    failed = {name: m.error for name, m in state.models.items() if m.status == "failed"}
+    for name, error in failed.items():
+        print(f"histoinfer: error: model {name!r} failed to load: {error}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _authority(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _run_uvicorn(app: Any, state: ServerState, args: argparse.Namespace) -> None:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            # Drain first: requests arriving on kept-alive connections while in-flight ones
+            # finish get 503 "closed", and readiness fails so load balancers move away.
+            state.begin_drain()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        lifespan="on",
+        log_level=args.log_level,
+        access_log=args.access_log,
+        timeout_graceful_shutdown=max(1, math.ceil(args.graceful_timeout)),
+    )
+    server = Server(config)
+
+    def stop() -> None:
+        server.should_exit = True
+
+    state.on_fatal = stop
+    server.run()
+
+
+def _run_hypercorn(app: Any, state: ServerState, args: argparse.Namespace) -> None:
+    from hypercorn.config import Config
+
+    config = Config()
+    config.bind = [_authority(args.host, args.port)]
+    config.graceful_timeout = args.graceful_timeout
+    config.accesslog = "-" if args.access_log else None
+    config.errorlog = logging.getLogger("hypercorn.error")  # one handler: the root's
+    config.loglevel = args.log_level.upper()
+    logging.getLogger("hypercorn.error").setLevel(args.log_level.upper())
+
+    async def main() -> None:
+        stop = anyio.Event()
+        state.on_fatal = stop.set
+
+        async def shutdown_trigger() -> None:
+            async with anyio.create_task_group() as tg:
+
+                async def on_signal() -> None:
+                    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                        async for _ in signals:
+                            state.begin_drain()
+                            stop.set()
+                            return
+
+                tg.start_soon(on_signal)
+                await stop.wait()
+                tg.cancel_scope.cancel()
+
+        if args.backend == "trio":
+            from hypercorn.trio import serve as serve_trio
+
+            await serve_trio(app, config, shutdown_trigger=shutdown_trigger)
+        else:
+            from hypercorn.asyncio import serve as serve_asyncio
+
+            await serve_asyncio(app, config, shutdown_trigger=shutdown_trigger)
+
+    anyio.run(main, backend=args.backend)

@@ -1,0 +1,308 @@
+"""HttpClient against a real server on loopback (uvicorn in a thread of this process).
+
+Threads and loops, the ``session`` parameter, retries (connection errors and 503, never 4xx
+or 500), closing, and that importing it leaves torch out.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import subprocess
+import sys
+import threading
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+from helpers import make_body, outputs_close
+from test_server_support import FlakyModel, ThreadServer, free_port, thread_server, white_body
+
+import histoinfer.clients.http as http_module
+from histoinfer import Client, HttpClient, InProcessClient
+from histoinfer.errors import (
+    ClientClosedError,
+    InferenceError,
+    InvalidRequestError,
+    ModelExecutionError,
+    OverloadedError,
+)
+from histoinfer.server import create_app
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: Any) -> Iterator[ThreadServer]:
+    flaky = FlakyModel(tiny_model.checkpoint, tiny_model.assets, "cpu")
+    app = create_app(
+        {
+            "h1": InProcessClient(tiny_model, max_batch_size=16, overload="reject"),
+            "flaky": InProcessClient(flaky, max_batch_size=16, overload="reject"),
+        }
+    )
+    with thread_server(app) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: Any) -> Iterator[InProcessClient]:
+    with InProcessClient(tiny_model, dynamic_batching=False) as c:
+        yield c
+
+
+class Counter:
+    """An httpx event hook counting the requests a session sends."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    async def __call__(self, request: httpx.Request) -> None:
+        self.n += 1
+
+
+def test_importing_it_leaves_torch_out():
+    code = (
+        "import sys, histoinfer\n"
+        "from histoinfer import HttpClient\n"
+        "HttpClient('http://127.0.0.1:1').close()\n"
+        "heavy = [m for m in ('torch', 'histoinfer.models', 'histoinfer.batching', 'fastapi')"
+        " if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_it_is_a_client():
+    with HttpClient("http://127.0.0.1:1") as client:
+        assert isinstance(client, Client)
+
+
+def test_wire_constants_match_the_server():
+    from histoinfer.server import app
+
+    assert http_module.BATCH_BODIES_JSON == app.BATCH_BODIES_JSON
+    assert http_module.NDJSON == app.NDJSON
+    assert http_module.BYTES_KEY == app.BYTES_KEY
+
+
+def test_sync_calls_from_many_threads(server, reference):
+    results: dict[int, str] = {}
+    errors: list[BaseException] = []
+    with HttpClient(server.base_url) as client:
+
+        def worker(t: int) -> None:
+            try:
+                for i in range(t * 3, t * 3 + 3):
+                    results[i] = client.predict(make_body(i))
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert not errors
+    expected = reference.predict_batch([make_body(i) for i in range(18)])
+    for i in range(18):
+        assert json.loads(results[i])["patch_idx"] == i
+        assert outputs_close(results[i], expected[i])
+
+
+def test_one_client_serves_many_loops_in_many_threads(server, reference):
+    """Each thread runs its own asyncio or trio loop: every loop gets its own pool."""
+    client = HttpClient(server.base_url)
+    results: dict[int, str] = {}
+    errors: list[BaseException] = []
+
+    async def slide(first: int) -> None:
+        async def one(i: int) -> None:
+            results[i] = await client.embed_async(make_body(i))
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                for i in range(first, first + 4):
+                    tg.start_soon(one, i)
+
+    def thread(first: int, backend: str) -> None:
+        try:
+            anyio.run(slide, first, backend=backend)
+        except BaseException as exc:
+            errors.append(exc)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        threads = [
+            threading.Thread(target=thread, args=(4 * k, ("asyncio", "trio")[k % 2]))
+            for k in range(4)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors
+        assert client._pools == {}  # each loop's pool was closed as its loop ended
+        client.close()
+        gc.collect()
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
+    expected = reference.embed_batch([make_body(i) for i in range(16)])
+    assert all(outputs_close(results[i], expected[i]) for i in range(16))
+
+
+@pytest.mark.anyio
+async def test_async_calls_and_the_session_parameter(server, reference):
+    body = make_body(5)
+    expected = reference.predict_with_embedding_batch([body])[0]
+    counter = Counter()
+    async with HttpClient(server.base_url) as client:
+        assert outputs_close(await client.predict_with_embedding_async(body), expected)
+        async with httpx.AsyncClient(event_hooks={"request": [counter]}) as session:
+            got = await client.predict_with_embedding_async(body, session=session)
+            assert outputs_close(got, expected)
+            assert counter.n == 1  # sent through the caller's session
+        with pytest.raises(TypeError, match=r"httpx\.AsyncClient"):
+            await client.predict_async(body, session=object())
+
+
+@pytest.mark.anyio
+async def test_4xx_and_500_are_never_retried(server):
+    counter = Counter()
+    async with (
+        httpx.AsyncClient(event_hooks={"request": [counter]}) as session,
+        HttpClient(server.base_url, retries=5, backoff=0.01) as client,
+        HttpClient(server.base_url, "flaky", retries=5, backoff=0.01) as flaky,
+        HttpClient(server.base_url, "h9", retries=5, backoff=0.01) as unknown,
+    ):
+        with pytest.raises(InvalidRequestError, match="missing required field"):
+            await client.predict_async("{}", session=session)
+        assert counter.n == 1
+        with pytest.raises(InvalidRequestError, match="unknown model 'h9'"):
+            await unknown.embed_async(make_body(0), session=session)
+        assert counter.n == 2
+        with pytest.raises(ModelExecutionError, match="white tile"):
+            await flaky.predict_async(white_body(), session=session)
+        assert counter.n == 3
+        # The flaky model fails only the white tile; its batch neighbours succeed.
+        assert json.loads(await flaky.embed_async(make_body(1), session=session))["patch_idx"] == 1
+
+
+@pytest.mark.anyio
+async def test_connection_errors_are_retried_then_reported():
+    port = free_port()  # nothing listens there
+    counter = Counter()
+    async with (
+        httpx.AsyncClient(event_hooks={"request": [counter]}) as session,
+        HttpClient(f"http://127.0.0.1:{port}", retries=3, backoff=0.01) as client,
+    ):
+        with pytest.raises(InferenceError, match="after 4 attempts: cannot reach") as err:
+            await client.predict_async(make_body(0), session=session)
+        assert counter.n == 4
+        assert isinstance(err.value.__cause__, httpx.ConnectError)
+    with (
+        HttpClient(f"http://127.0.0.1:{port}", retries=2, backoff=0.01) as client,
+        pytest.raises(InferenceError, match="after 3 attempts"),
+    ):
+        client.metadata()
+
+
+@pytest.mark.anyio
+async def test_503_is_retried_until_the_server_is_ready(tiny_model):
+    """A server still loading answers 503 + Retry-After; the client waits and retries."""
+    loaded = threading.Event()
+    statuses: list[int] = []
+
+    def load() -> InProcessClient:
+        loaded.wait(30)
+        return InProcessClient(tiny_model, overload="reject")
+
+    async def on_response(response: httpx.Response) -> None:
+        statuses.append(response.status_code)
+        if len(statuses) == 3:
+            loaded.set()
+
+    app = create_app({"h1": load}, warmup=False)
+    try:
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with (
+                httpx.AsyncClient(
+                    transport=transport, event_hooks={"response": [on_response]}
+                ) as session,
+                HttpClient("http://asgi", retries=500, backoff=0.01, max_backoff=0.01) as client,
+            ):
+                with anyio.fail_after(30):
+                    got = await client.embed_async(make_body(2), session=session)
+    finally:
+        loaded.set()
+    assert json.loads(got)["patch_idx"] == 2
+    assert statuses[-1] == 200 and set(statuses[:-1]) == {503} and len(statuses) > 3
+
+
+def test_retry_policy_honours_retry_after_capped():
+    client = HttpClient("http://127.0.0.1:1", retries=2, backoff=0.5, max_backoff=4.0)
+    request = httpx.Request("POST", "http://127.0.0.1:1/api/predict/h1")
+    problem = {"type": "https://histoinfer.dev/problems/overloaded", "title": "Overloaded",
+               "status": 503, "detail": "queue full; retry later"}  # fmt: skip
+
+    def answer(status: int, retry_after: str | None = None) -> httpx.Response:
+        headers = {"content-type": "application/problem+json"}
+        if retry_after is not None:
+            headers["retry-after"] = retry_after
+        return httpx.Response(status, headers=headers, json=problem, request=request)
+
+    attempt = http_module._Attempt(client, "POST", str(request.url))
+    assert attempt.answered(answer(503, "3")) == 3.0
+    assert attempt.answered(answer(503, "60")) == 4.0  # capped
+    with pytest.raises(OverloadedError, match="queue full; retry later"):
+        attempt.answered(answer(503, "1"))  # retries exhausted: the mapped error
+    fresh = http_module._Attempt(client, "POST", str(request.url))
+    assert 0.25 <= fresh.answered(answer(502)) <= 0.5  # no Retry-After: backoff with jitter
+    assert 0.5 <= fresh.answered(answer(504)) <= 1.0
+    assert http_module._retry_after("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0  # in the past
+    assert http_module._retry_after("soon") is None
+    client.close()
+
+
+def test_errors_without_problem_json_keep_their_status(server):
+    request = httpx.Request("GET", server.base_url)
+    html = httpx.Response(502, text="<html>bad gateway</html>", request=request)
+    error = http_module._error_from(html)
+    assert (
+        type(error) is InferenceError and "HTTP 502" in str(error) and "bad gateway" in str(error)
+    )
+    error = http_module._error_from(httpx.Response(413, text="too big", request=request))
+    assert isinstance(error, InvalidRequestError)
+
+
+def test_batches_go_through_the_batch_route(server, reference):
+    bodies = [make_body(i) for i in range(5)]
+    with HttpClient(server.base_url) as client:
+        got = client.embed_batch(bodies)
+        assert client.predict_batch([]) == []
+    assert all(outputs_close(a, b) for a, b in zip(got, reference.embed_batch(bodies), strict=True))
+
+
+@pytest.mark.anyio
+async def test_a_closed_client_refuses_every_call(server):
+    client = HttpClient(server.base_url)
+    assert json.loads(client.metadata())["name"] == "h1"
+    await client.aclose()
+    assert client.closed
+    for call in (
+        lambda: client.predict(make_body(0)),
+        lambda: client.embed_batch([make_body(0)]),
+        client.metadata,
+    ):
+        with pytest.raises(ClientClosedError, match="the client is closed"):
+            call()
+    with pytest.raises(ClientClosedError, match="the client is closed"):
+        await client.embed_async(make_body(0))
+    with HttpClient(server.base_url) as sync_client:
+        sync_client.embed(make_body(0))
+    with pytest.raises(ClientClosedError):
+        sync_client.embed(make_body(0))
+    client.close()  # closing twice is fine

@@ -1,0 +1,348 @@
+"""The FastAPI app in-process (httpx ASGITransport, lifespan run), on asyncio and trio.
+
+Routes, problem+json, 413, 503 on a full queue, readiness while loading, draining, metrics,
+/invocations in every mode, the batch route and the OpenAPI document.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+from helpers import make_body, outputs_close, request_dict
+from prometheus_client.parser import text_string_to_metric_families
+
+from histoinfer import InProcessClient
+from histoinfer.errors import InvalidRequestError
+from histoinfer.models.h1 import H1ServerModel
+from histoinfer.server import ServerState, create_app
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
+
+PROBLEM_KEYS = {"type", "title", "status", "detail"}
+
+
+@asynccontextmanager
+async def serving(app: Any, *, ready: bool = True) -> AsyncIterator[httpx.AsyncClient]:
+    """Run the app's lifespan and talk to it in-process; wait for readiness if asked."""
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            if ready:
+                with anyio.fail_after(30):
+                    while (await http.get("/health/ready")).status_code != 200:
+                        await anyio.sleep(0.02)
+            yield http
+
+
+def fresh_client(model: Any, **tuning: Any) -> InProcessClient:
+    tuning.setdefault("overload", "reject")
+    return InProcessClient(model, max_batch_size=8, max_wait_ms=5.0, **tuning)
+
+
+def assert_problem(r: httpx.Response, status: int, slug: str | None = None) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"] == "application/problem+json"
+    problem = r.json()
+    assert set(problem) == PROBLEM_KEYS
+    assert problem["status"] == status
+    assert isinstance(problem["title"], str) and problem["title"]
+    assert isinstance(problem["detail"], str) and problem["detail"]
+    if slug is not None:
+        assert problem["type"] == f"https://histoinfer.dev/problems/{slug}"
+    return dict(problem)
+
+
+async def test_routes_answer_what_the_client_answers(tiny_model):
+    client = fresh_client(tiny_model)
+    async with serving(create_app(client)) as http:
+        for mode in ("predict", "embed", "predict_with_embedding"):
+            body = make_body(3)
+            r = await http.post(f"/api/{mode}/h1", content=body)
+            assert r.status_code == 200
+            assert r.headers["content-type"] == "application/json"
+            assert outputs_close(r.text, client.infer_batch([body], mode)[0])
+            assert ("embedding" in r.json()) == (mode == "predict_with_embedding")
+        r = await http.get("/api/metadata/h1")
+        assert r.status_code == 200 and r.text == client.metadata()
+
+
+async def test_problem_json_for_every_kind_of_error(tiny_model):
+    async with serving(create_app(fresh_client(tiny_model))) as http:
+        p = assert_problem(await http.post("/api/predict/h1", content="{nope"), 422)
+        assert p["type"].endswith("/invalid-request") and "not valid JSON" in p["detail"]
+        bulk = make_body(0, bulk_rna=[1.0, 2.0])
+        assert_problem(await http.post("/api/predict/h1", content=bulk), 400, "unsupported-mode")
+        p = assert_problem(await http.post("/api/classify/h1", content="{}"), 400)
+        assert "classify" in p["detail"]
+        p = assert_problem(await http.post("/api/predict/h9", content="{}"), 404, "unknown-model")
+        assert "h9" in p["detail"] and "h1" in p["detail"]
+        assert_problem(await http.get("/api/metadata/h9"), 404, "unknown-model")
+        p = assert_problem(await http.get("/no/such/route"), 404)
+        assert p["type"] == "about:blank"
+        assert_problem(await http.get("/api/predict/h1"), 405)
+
+
+async def test_body_over_the_limit_is_413(tiny_model):
+    app = create_app(fresh_client(tiny_model), max_body_bytes=512 * 1024)
+    async with serving(app) as http:
+        assert (await http.post("/api/predict/h1", content=make_body(1))).status_code == 200
+        big = make_body(1, slide_name="s" * (600 * 1024))
+        p = assert_problem(await http.post("/api/predict/h1", content=big), 413)
+        assert p["type"].endswith("/payload-too-large") and str(512 * 1024) in p["detail"]
+
+        async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: counted as it streams
+            for _ in range(20):
+                yield b" " * (64 * 1024)
+
+        r = await http.post("/api/predict/h1/batch", content=chunks())
+        assert "content-length" not in r.request.headers
+        assert_problem(r, 413, "payload-too-large")
+        assert (await http.post("/api/embed/h1", content=make_body(2))).status_code == 200
+
+
+class GatedModel(H1ServerModel):
+    """Decoding a tile of slide ``gate`` blocks until the test opens the gate."""
+
+    gate: threading.Event
+    entered: int
+
+    def prepare_sample(self, request, where=None):  # type: ignore[no-untyped-def]
+        if request.slide_name == "gate":
+            self.entered += 1
+            self.gate.wait(30)
+        return super().prepare_sample(request, where)
+
+
+def gated(tiny_model: Any) -> GatedModel:
+    model = GatedModel(tiny_model.checkpoint, tiny_model.assets, "cpu")
+    model.gate, model.entered = threading.Event(), 0
+    return model
+
+
+async def test_full_queue_answers_503_at_once(tiny_model):
+    model = gated(tiny_model)
+    app = create_app(fresh_client(model, max_queue=2), retry_after=7)
+    statuses: list[int] = []
+    async with serving(app) as http:
+
+        async def held(i: int) -> None:
+            r = await http.post("/api/predict/h1", content=make_body(i, slide_name="gate"))
+            statuses.append(r.status_code)
+
+        try:
+            with anyio.fail_after(30):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(held, 0)
+                    tg.start_soon(held, 1)
+                    while model.entered < 2:  # both admitted and stuck in decoding
+                        await anyio.sleep(0.01)
+                    r = await http.post("/api/predict/h1", content=make_body(2))
+                    p = assert_problem(r, 503, "overloaded")
+                    assert r.headers["retry-after"] == "7"
+                    assert "queue full" in p["detail"]
+                    model.gate.set()
+        finally:
+            model.gate.set()
+        assert statuses == [200, 200]
+        assert (await http.post("/api/predict/h1", content=make_body(3))).status_code == 200
+
+
+async def test_ready_only_once_loaded_and_warm(tiny_model):
+    loading = threading.Event()
+
+    def load() -> InProcessClient:
+        loading.wait(30)
+        return fresh_client(tiny_model)
+
+    app = create_app({"h1": load, "also": fresh_client(tiny_model)})
+    async with serving(app, ready=False) as http:
+        assert (await http.get("/health/live")).status_code == 200
+        r = await http.get("/health/ready")
+        assert r.status_code == 503 and r.json()["models"]["h1"] == "loading"
+        assert (await http.get("/ping")).status_code == 503
+        r = await http.post("/api/predict/h1", content=make_body(0))
+        p = assert_problem(r, 503, "not-ready")
+        assert "h1" in p["detail"] and r.headers["retry-after"] == "1"
+        loading.set()
+        with anyio.fail_after(30):
+            while (await http.get("/health/ready")).status_code != 200:
+                await anyio.sleep(0.02)
+        assert (await http.get("/ping")).status_code == 200
+        for name in ("h1", "also"):
+            assert (await http.post(f"/api/embed/{name}", content=make_body(1))).status_code == 200
+
+
+async def test_a_model_that_fails_to_load_is_reported(tiny_model):
+    def broken() -> InProcessClient:
+        raise RuntimeError("checkpoint exploded")
+
+    app = create_app({"h1": broken})
+    state: ServerState = app.state.histoinfer
+    fatal = threading.Event()
+    state.on_fatal = fatal.set
+    async with serving(app, ready=False) as http:
+        with anyio.fail_after(30):
+            while not fatal.is_set():
+                await anyio.sleep(0.02)
+        r = await http.get("/health/ready")
+        assert r.status_code == 503 and "checkpoint exploded" in r.json()["errors"]["h1"]
+        p = assert_problem(await http.post("/api/predict/h1", content=make_body(0)), 503)
+        assert "checkpoint exploded" in p["detail"]
+
+
+async def test_draining_refuses_new_requests(tiny_model):
+    app = create_app(fresh_client(tiny_model))
+    async with serving(app) as http:
+        app.state.histoinfer.begin_drain()
+        r = await http.post("/api/predict/h1", content=make_body(0))
+        p = assert_problem(r, 503, "closed")
+        assert "shutting down" in p["detail"] and "retry-after" in r.headers
+        r = await http.get("/health/ready")
+        assert r.status_code == 503 and r.json()["status"] == "draining"
+        assert (await http.get("/health/live")).status_code == 200
+
+
+async def test_invocations_in_every_mode(tiny_model):
+    client = fresh_client(tiny_model)
+    async with serving(create_app(client)) as http:
+        for mode, route in (
+            ("prediction", "predict"),
+            ("embedding", "embed"),
+            ("prediction_with_embedding", "predict_with_embedding"),
+        ):
+            body = request_dict(4, model_name="h1", mode=mode)
+            r = await http.post("/invocations", content=json.dumps(body))
+            assert r.status_code == 200, r.text
+            direct = await http.post(f"/api/{route}/h1", content=make_body(4))
+            assert outputs_close(r.text, direct.text)
+        r = await http.post("/invocations", content='{"model_name": "h1", "mode": "metadata"}')
+        assert r.status_code == 200 and r.text == client.metadata()
+
+        bad_mode = json.dumps(request_dict(0, model_name="h1", mode="classify"))
+        p = assert_problem(await http.post("/invocations", content=bad_mode), 422)
+        assert "mode" in p["detail"]
+        no_model = json.dumps(request_dict(0, mode="prediction"))
+        p = assert_problem(await http.post("/invocations", content=no_model), 422)
+        assert "model_name" in p["detail"]
+        unknown = json.dumps(request_dict(0, model_name="h9", mode="prediction"))
+        assert_problem(await http.post("/invocations", content=unknown), 404, "unknown-model")
+        bad_x = json.dumps(request_dict(0, model_name="h1", mode="embedding", x=-3))
+        p = assert_problem(await http.post("/invocations", content=bad_x), 422)
+        assert "'x'" in p["detail"]
+        extra = json.dumps(request_dict(0, model_name="h1", mode="embedding", colour="red"))
+        p = assert_problem(await http.post("/invocations", content=extra), 422)
+        assert "colour" in p["detail"]
+        bulk = json.dumps(request_dict(0, model_name="h1", mode="prediction", bulk_rna=[1.0]))
+        assert_problem(await http.post("/invocations", content=bulk), 400, "unsupported-mode")
+
+
+async def test_batch_route_takes_objects_or_bodies(tiny_model):
+    client = fresh_client(tiny_model)
+    bodies = [make_body(i) for i in range(5)]
+    expected = client.infer_batch(bodies, "embed")
+    async with serving(create_app(client)) as http:
+        objects = json.dumps([json.loads(b) for b in bodies])  # what a curl user sends
+        r = await http.post("/api/embed/h1/batch", content=objects)
+        assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+        got = [json.dumps(item) for item in r.json()]
+        assert all(outputs_close(a, b) for a, b in zip(got, expected, strict=True))
+
+        r = await http.post(
+            "/api/embed/h1/batch",
+            content=json.dumps(bodies),  # bodies as JSON strings, one response per line back
+            headers={"content-type": "application/vnd.histoinfer.bodies+json",
+                     "accept": "application/x-ndjson"},
+        )  # fmt: skip
+        assert r.headers["content-type"].startswith("application/x-ndjson")
+        lines = r.text.split("\n")
+        assert lines[-1] == "" and len(lines) == 6
+        assert all(outputs_close(a, b) for a, b in zip(lines[:-1], expected, strict=True))
+
+        mixed = [bodies[0], '{"nope": 1}', bodies[2], make_body(3, x=-1)]
+        with pytest.raises(InvalidRequestError) as in_process:
+            client.infer_batch(mixed, "predict")
+        r = await http.post("/api/predict/h1/batch", content=json.dumps(mixed))
+        assert assert_problem(r, 422)["detail"] == str(in_process.value)
+
+        r = await http.post("/api/predict/h1/batch", content='{"not": "a list"}')
+        assert assert_problem(r, 422)["detail"] == (
+            "bodies must be a list of JSON strings, got dict"
+        )
+        r = await http.post("/api/predict/h1/batch", content="[{")
+        assert "not valid JSON" in assert_problem(r, 422)["detail"]
+        r = await http.post("/api/predict/h1/batch", content="[]")
+        assert r.status_code == 200 and r.json() == []
+
+
+async def test_metrics_read_the_client_stats(tiny_model):
+    async with serving(create_app(fresh_client(tiny_model, max_queue=64))) as http:
+        before = await scrape(http)
+
+        async def one(i: int) -> None:
+            assert (await http.post("/api/predict/h1", content=make_body(i))).status_code == 200
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                for i in range(6):
+                    tg.start_soon(one, i)
+        await http.post("/api/predict/h1", content="{bad")
+        after = await scrape(http)
+    key = ("h1", "predict")
+    assert after["histoinfer_samples_total"][key] - before["histoinfer_samples_total"][key] == 6
+    assert after["histoinfer_batch_size_count"][key] == after["histoinfer_batches_total"][key]
+    assert after["histoinfer_batch_size_sum"][key] == after["histoinfer_samples_total"][key]
+    assert after["histoinfer_model_ready"][("h1",)] == 1.0
+    assert after["histoinfer_queue_depth"][key] == 0.0
+    assert after["histoinfer_http_responses_total"][("200",)] >= 6
+    assert after["histoinfer_http_responses_total"][("422",)] == 1
+    assert ("h1", "predict", "0.5") in after["histoinfer_forward_seconds"]
+    assert ("h1", "predict", "0.99") in after["histoinfer_queue_wait_seconds"]
+    assert key in after["histoinfer_errors_total"]
+
+
+async def scrape(http: httpx.AsyncClient) -> dict[str, dict[tuple[str, ...], float]]:
+    """``/metrics`` as {sample name: {label values (le/quantile last): value}}."""
+    r = await http.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    out: dict[str, dict[tuple[str, ...], float]] = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            labels = s.labels
+            key = tuple(labels[k] for k in ("model", "mode", "kind", "status") if k in labels)
+            key += tuple(labels[k] for k in ("le", "quantile") if k in labels)
+            out.setdefault(s.name, {})[key] = s.value
+    return out
+
+
+async def test_openapi_documents_the_routes(tiny_model):
+    async with serving(create_app(fresh_client(tiny_model))) as http:
+        spec = (await http.get("/openapi.json")).json()
+        paths = set(spec["paths"])
+        assert {
+            "/api/{mode}/{model}",
+            "/api/{mode}/{model}/batch",
+            "/api/metadata/{model}",
+            "/invocations",
+            "/health/ready",
+            "/health/live",
+            "/ping",
+            "/metrics",
+        } <= paths
+        post = spec["paths"]["/api/{mode}/{model}"]["post"]
+        body_schema = post["requestBody"]["content"]["application/json"]["schema"]
+        assert "image_data" in body_schema["properties"]
+        assert "application/problem+json" in post["responses"]["422"]["content"]
+        docs = await http.get("/docs")
+        assert docs.status_code == 200 and "swagger" in docs.text.lower()
+
+
+def test_create_app_needs_a_model():
+    with pytest.raises(ValueError, match="at least one model"):
+        create_app({})

@@ -1,0 +1,156 @@
+"""``histoinfer serve`` as a process: hypercorn on trio, several models, SIGTERM drain, and
+the command's errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+from helpers import make_body, outputs_close, request_dict
+from test_server_support import HERE, SRC, ServerProcess, free_port
+
+from histoinfer import HttpClient, InProcessClient
+from histoinfer.cli import main
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def trio_server(tiny_checkpoint: Path) -> Iterator[ServerProcess]:
+    args = ["--server", "hypercorn", "--backend", "trio", "--max-batch-size", "8"]
+    args += ["--model", "h1", "--checkpoint", str(tiny_checkpoint)]
+    args += ["--model", "second=h1", "--checkpoint", str(tiny_checkpoint)]
+    with ServerProcess(args) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: Any) -> Iterator[InProcessClient]:
+    with InProcessClient(tiny_model, dynamic_batching=False) as c:
+        yield c
+
+
+def test_hypercorn_on_trio_serves_several_models(trio_server, reference):
+    body = make_body(6)
+    expected = reference.predict_with_embedding(body)
+    for name in ("h1", "second"):
+        with HttpClient(trio_server.base_url, name) as client:
+            assert outputs_close(client.predict_with_embedding(body), expected)
+            assert json.loads(client.metadata())["batching"]["max_batch_size"] == 8
+    invocation = json.dumps(request_dict(6, model_name="second", mode="prediction"))
+    r = httpx.post(trio_server.base_url + "/invocations", content=invocation, timeout=30)
+    assert r.status_code == 200 and outputs_close(r.text, reference.predict(body))
+    ready = httpx.get(trio_server.base_url + "/health/ready", timeout=10).json()
+    assert ready["models"] == {"h1": "ready", "second": "ready"}
+
+
+def test_hypercorn_on_trio_batches_concurrent_trio_calls(trio_server, reference):
+    bodies = [make_body(i) for i in range(24)]
+    expected = reference.embed_batch(bodies)
+    got: dict[int, str] = {}
+
+    async def run() -> None:
+        async with HttpClient(trio_server.base_url) as client:
+
+            async def one(i: int) -> None:
+                got[i] = await client.embed_async(bodies[i])
+
+            with anyio.fail_after(60):
+                async with anyio.create_task_group() as tg:
+                    for i in range(len(bodies)):
+                        tg.start_soon(one, i)
+
+    anyio.run(run, backend="trio")
+    assert all(outputs_close(got[i], expected[i]) for i in range(len(bodies)))
+    with HttpClient(trio_server.base_url) as client:
+        assert all(
+            outputs_close(a, b) for a, b in zip(client.embed_batch(bodies), expected, strict=True)
+        )
+
+
+def in_flight(base_url: str) -> float:
+    for line in httpx.get(base_url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("histoinfer_http_requests_in_flight "):
+            return float(line.split()[1])
+    raise AssertionError("no in-flight gauge in /metrics")
+
+
+@pytest.mark.parametrize(
+    "server_args",
+    [["--server", "uvicorn"], ["--server", "hypercorn", "--backend", "trio"]],
+    ids=["uvicorn", "hypercorn-trio"],
+)
+def test_sigterm_lets_in_flight_requests_finish_and_refuses_new_ones(tiny_checkpoint, server_args):
+    args = ["--model", "h1=h1-slow", "--checkpoint", str(tiny_checkpoint), *server_args]
+    with ServerProcess(args, script=True) as server:
+        url = server.base_url + "/api/predict/h1"
+        outcome: dict[str, Any] = {}
+
+        def slow_request() -> None:  # its tile takes 3 s to decode (SlowModel)
+            try:
+                outcome["response"] = httpx.post(
+                    url, content=make_body(1, slide_name="slow-3"), timeout=60
+                )
+            except Exception as exc:
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=slow_request)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while in_flight(server.base_url) < 1:
+            assert time.monotonic() < deadline, "the slow request never arrived"
+            time.sleep(0.02)
+        server.terminate()
+
+        try:  # a new request: the port is closed, or the server answers 503 "closed"
+            late = httpx.post(url, content=make_body(2), timeout=30)
+        except httpx.TransportError:
+            pass
+        else:
+            assert late.status_code == 503, late.text
+            assert late.json()["type"].endswith("/closed")
+        thread.join(60)
+        assert "error" not in outcome, outcome.get("error")
+        response = outcome["response"]
+        assert response.status_code == 200, response.text
+        assert json.loads(response.text)["slide_name"] == "slow-3"
+        code = server.proc.wait(timeout=60)
+        assert code in (0, -signal.SIGTERM), server.output()
+        assert "Traceback" not in server.output()
+
+
+def test_cli_argument_errors(tiny_checkpoint, capsys):
+    one = ["--model", "h1", "--checkpoint", str(tiny_checkpoint)]
+    cases = {
+        "is not a file": ["--model", "h1", "--checkpoint", f"{tiny_checkpoint}.missing"],
+        "give one --checkpoint": [*one, "--model", "b=h1"],
+        "given twice": [*one, *one],
+        "uvicorn runs on asyncio only": [*one, "--backend", "trio"],
+    }
+    for message, args in cases.items():
+        assert main(["serve", *args]) == 1
+        assert message in capsys.readouterr().err
+
+
+def test_a_checkpoint_that_fails_to_load_stops_the_server(tmp_path):
+    bad = tmp_path / "model.pt2"
+    bad.write_bytes(b"this is not a checkpoint")
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    command = [sys.executable, "-m", "histoinfer", "serve", "--model", "h1"]
+    command += ["--checkpoint", str(bad), "--port", str(free_port())]
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=90, env=env, cwd=HERE.parent
+    )
+    assert done.returncode == 1, done.stderr
+    assert "failed to load" in done.stderr and str(bad) in done.stderr

@@ -1,0 +1,190 @@
+"""Helpers for the server tests: real servers on loopback, and test models.
+
+- :class:`ServerProcess`: ``histoinfer serve`` in a subprocess on a free port, waited for on
+  ``/health/ready`` with a deadline, always killed on exit.
+- :class:`ThreadServer`: uvicorn in a thread of the test process (no second torch import).
+- ``SlowModel`` / ``FlakyModel``: the tiny h1 with a slow decode for ``slide_name="slow-S"``
+  (sleeps S seconds) and a forward pass that fails on an all-white tile.
+
+Run as a script, this file is ``histoinfer`` with the test models registered (``h1-slow``,
+``h1-flaky``): ``python tests/test_server_support.py serve --model slow=h1-slow ...``.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+from PIL import Image
+
+from histoinfer.models import register_model
+from histoinfer.models.h1 import H1ServerModel
+from histoinfer.schema import Mode, ModelRequest
+
+HERE = Path(__file__).resolve()
+SRC = HERE.parent.parent / "src"
+
+
+class SlowModel(H1ServerModel):
+    """Decoding a tile whose slide is ``slow-S`` takes S more seconds (an in-flight request)."""
+
+    def prepare_sample(self, request: ModelRequest, where: str | None = None) -> torch.Tensor:
+        if request.slide_name.startswith("slow-"):
+            time.sleep(float(request.slide_name.removeprefix("slow-")))
+        return super().prepare_sample(request, where)
+
+
+class FlakyModel(H1ServerModel):
+    """The forward pass raises for any batch holding an all-white tile."""
+
+    def forward_batch(self, batch: torch.Tensor, mode: Mode) -> Any:
+        if bool((batch == 255).flatten(1).all(dim=1).any()):
+            raise RuntimeError("white tile: the test model refuses it")
+        return super().forward_batch(batch, mode)
+
+
+def register_test_models() -> None:
+    register_model("h1-slow")(SlowModel)
+    register_model("h1-flaky")(FlakyModel)
+
+
+def white_body(i: int = 0, size: int = 224) -> str:
+    """A valid request whose tile is all white (FlakyModel fails on it)."""
+    import json
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (size, size), (255, 255, 255)).save(buffer, format="PNG")
+    return json.dumps(
+        {
+            "image_data": base64.b64encode(buffer.getvalue()).decode(),
+            "slide_name": "white",
+            "x": 0,
+            "y": 0,
+            "width": size,
+            "height": size,
+            "patch_idx": i,
+        }
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_ready(base_url: str, deadline_s: float, alive: Any = None) -> None:
+    """Poll ``/health/ready`` until 200; fail with the reason at the deadline."""
+    deadline = time.monotonic() + deadline_s
+    last = "no answer"
+    while time.monotonic() < deadline:
+        if alive is not None and not alive():
+            raise RuntimeError("the server exited before it was ready")
+        try:
+            r = httpx.get(base_url + "/health/ready", timeout=2.0)
+            if r.status_code == 200:
+                return
+            last = f"{r.status_code} {r.text}"
+        except httpx.TransportError as exc:
+            last = repr(exc)
+        time.sleep(0.1)
+    raise TimeoutError(f"{base_url} not ready after {deadline_s} s: {last}")
+
+
+class ServerProcess:
+    """``histoinfer serve`` (or this file as a script) in a subprocess on a free port."""
+
+    def __init__(self, args: Sequence[str], *, script: bool = False, ready_s: float = 90.0):
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile(prefix="histoinfer-serve-", suffix=".log")  # noqa: SIM115 (closed in stop)
+        launcher = [str(HERE)] if script else ["-m", "histoinfer"]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), str(HERE.parent)])}
+        self.proc = subprocess.Popen(
+            [sys.executable, *launcher, "serve", *args, "--port", str(self.port)],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        try:
+            wait_ready(self.base_url, ready_s, alive=lambda: self.proc.poll() is None)
+        except BaseException:
+            self.stop()
+            raise RuntimeError(f"server did not start:\n{self.output()}") from None
+
+    def output(self) -> str:
+        return Path(self.log.name).read_text(errors="replace")
+
+    def terminate(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=15)
+        self.log.close()
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class ThreadServer:
+    """uvicorn serving ``app`` on a free loopback port, in a thread of this process."""
+
+    def __init__(self, app: Any, ready_s: float = 60.0) -> None:
+        import uvicorn
+
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=self.port, lifespan="on", log_level="warning"
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="uvicorn-test", daemon=True)
+        self.thread.start()
+        try:
+            wait_ready(self.base_url, ready_s, alive=self.thread.is_alive)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@contextlib.contextmanager
+def thread_server(app: Any) -> Iterator[ThreadServer]:
+    server = ThreadServer(app)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    register_test_models()
+    from histoinfer.cli import main
+
+    raise SystemExit(main())
