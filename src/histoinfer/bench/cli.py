@@ -1,0 +1,178 @@
+"""``histoinfer bench``: the options, and the run. Plugged into ``histoinfer.cli``.
+
+``configure(parser)`` adds the options to the ``bench`` subcommand's parser; ``run(args)`` runs
+the suites and writes ``report.json``, ``report.md`` and ``report.png`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+__all__ = ["configure", "main", "run"]
+
+SUITES = ("throughput", "overhead", "latency", "profile")
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in text.split(",") if v.strip())
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add ``histoinfer bench``'s options to its subparser."""
+    from .paths import PATHS
+
+    parser.description = (
+        "Sweep concurrency over every path a tile can take (raw forward, explicit batches, "
+        "dynamic batching on asyncio and trio, batch size 1, sync threads, HTTP loopback, "
+        "external batchers), measure the scheduler alone and a lone request's latency, and "
+        "write report.json, report.md and report.png. Ratios are medians of interleaved "
+        "rounds. See docs/benchmarks.md."
+    )
+    parser.add_argument("--quick", action="store_true", help="fewer levels, tiles, rounds (<2 min)")
+    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory")
+    parser.add_argument(
+        "--small", action="store_true", help="also run the small (ViT-S) model: slower"
+    )
+    parser.add_argument(
+        "--models", type=_names, default=None, help="reference sizes, e.g. tiny,small"
+    )
+    parser.add_argument(
+        "--paths",
+        type=_names,
+        default=None,
+        help=f"paths to measure (default all): {','.join(PATHS)}",
+    )
+    parser.add_argument(
+        "--suites",
+        type=_names,
+        default=None,
+        help=f"what to run (default throughput,overhead,latency): {','.join(SUITES)}",
+    )
+    parser.add_argument(
+        "--levels", type=_ints, default=None, help="requests in flight, e.g. 1,8,64"
+    )
+    parser.add_argument("--tiles", type=int, default=None, help="tiles per measurement")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds")
+    parser.add_argument("--max-batch-size", type=int, default=None)
+    parser.add_argument("--max-wait-ms", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=None, help="seed of the request bodies")
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="where reference checkpoints and bodies are cached (default: user cache dir)",
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    parser.set_defaults(_bench_parser=parser)
+
+
+def _canonical_command(args: argparse.Namespace, prog: str = "histoinfer bench") -> str:
+    """The command that reproduces ``args``: ``prog`` and every option not at its default."""
+    parser: argparse.ArgumentParser | None = getattr(args, "_bench_parser", None)
+    words = prog.split()
+    for action in parser._actions if parser is not None else []:
+        if not action.option_strings or action.dest in ("help", "quiet"):
+            continue
+        value = getattr(args, action.dest, action.default)
+        if value == action.default:
+            continue
+        option = action.option_strings[-1]
+        if isinstance(action, argparse._StoreTrueAction):
+            words.append(option)
+        else:
+            shown = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+            words.append(f"{option}={shown}")
+    return shlex.join(words)
+
+
+def config_from_args(args: argparse.Namespace) -> Any:
+    from .runner import BenchConfig, quick_config
+
+    cfg = quick_config() if args.quick else BenchConfig()
+    changes: dict[str, Any] = {}
+    if args.models is not None:
+        changes["models"] = args.models
+    elif args.small:
+        changes["models"] = ("tiny", "small")
+    for name in ("paths", "levels", "tiles", "rounds", "max_batch_size", "max_wait_ms", "seed"):
+        value = getattr(args, name)
+        if value is not None:
+            changes[name] = value
+    if args.suites is not None:
+        unknown = [s for s in args.suites if s not in SUITES]
+        if unknown:
+            raise ValueError(f"unknown suites: {', '.join(unknown)} (choose from {SUITES})")
+        changes["suites"] = args.suites
+    if args.workdir is not None:
+        changes["workdir"] = str(args.workdir)
+    unknown_models = [m for m in changes.get("models", ()) if m not in ("tiny", "small")]
+    if unknown_models:
+        raise ValueError(f"unknown model sizes: {', '.join(unknown_models)} (tiny, small)")
+    return replace(cfg, **changes)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``histoinfer bench``; print where the outputs are, and the targets' results."""
+    from .report import write_outputs
+    from .runner import run_bench
+
+    cfg = config_from_args(args)
+
+    def log(line: str) -> None:
+        if not args.quiet:
+            print(line, file=sys.stderr, flush=True)
+
+    command = _canonical_command(args, getattr(args, "_prog", "histoinfer bench"))
+    report = run_bench(cfg, log, command)
+    for path in write_outputs(report, args.out):
+        print(f"wrote {path}")
+    for section in ("throughput", "overhead", "latency"):
+        for check in report.get(section, {}).get("checks", []):
+            value = "–" if check["value"] is None else f"{check['value']:.2f}"
+            verdict = {True: "met", False: "NOT met", None: "not measured"}[check["met"]]
+            sign = ">=" if check["higher_is_better"] else "<="
+            print(
+                f"  #{check['issue']} {check['name']}: {value} ({sign} {check['target']:g}) "
+                f"{verdict}"
+            )
+    print(f"done in {report['seconds']} s")
+    return 0
+
+
+def main(
+    argv: Sequence[str] | None = None,
+    *,
+    prog: str = "histoinfer bench",
+    defaults: Sequence[str] = (),
+) -> int:
+    """Run as a script (``benchmarks/*.py``): the options of ``histoinfer bench``.
+
+    ``defaults`` are options the script puts before the user's own (which override them).
+    """
+    import logging
+
+    parser = argparse.ArgumentParser(prog=prog)
+    configure(parser)
+    user = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args([*defaults, *user])
+    args._prog = prog
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return run(args)

@@ -1,0 +1,84 @@
+"""A lone request: one call at a time, nothing else coming, ``max_wait_ms`` = 5.
+
+The scheduler must not hold a lone request for its whole window. Compared, in each round:
+
+* ``raw-forward-1``: ``forward_batch`` of one pre-decoded tile (the model alone);
+* ``pipeline-1``: ``predict_batch([body])`` on an explicit client (the same request's whole
+  work, parse to JSON, with no scheduler and no thread hops);
+* ``dynamic-asyncio`` / ``dynamic-trio``: ``predict_async(body)`` on a dynamic client.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import anyio
+import torch
+
+from ..clients.inprocess import InProcessClient
+from ..models.base import ServerModel
+from .measure import percentile
+
+__all__ = ["LONE_VARIANTS", "LoneLatency"]
+
+LONE_VARIANTS = ("raw-forward-1", "pipeline-1", "dynamic-asyncio", "dynamic-trio")
+
+
+class LoneLatency:
+    """Sequential single requests on each variant; ``measure`` gives per-call latencies (s)."""
+
+    def __init__(
+        self, model: ServerModel, bodies: Sequence[str], tiles: Sequence[torch.Tensor]
+    ) -> None:
+        self.model = model
+        self.bodies = bodies
+        self.tiles = tiles
+        self.dynamic = InProcessClient(model, max_wait_ms=5.0)
+        self.explicit = InProcessClient(model, max_wait_ms=5.0, dynamic_batching=False)
+
+    def close(self) -> None:
+        self.dynamic.close()
+        self.explicit.close()
+
+    def measure(self, variant: str, calls: int) -> list[float]:
+        clock = time.perf_counter
+        n = len(self.bodies)
+        if variant == "raw-forward-1":
+            batches = [self.tiles[i % n].unsqueeze(0) for i in range(calls)]
+            out = []
+            for batch in batches:
+                t0 = clock()
+                self.model.forward_batch(batch, "predict")
+                out.append(clock() - t0)
+            return out
+        if variant == "pipeline-1":
+            return self._timed(lambda body: self.explicit.predict_batch([body]), calls)
+        backend = variant.removeprefix("dynamic-")
+
+        async def run() -> list[float]:
+            latencies = []
+            for i in range(calls):
+                t0 = clock()
+                await self.dynamic.predict_async(self.bodies[i % n])
+                latencies.append(clock() - t0)
+                # A lone caller: let the scheduler go idle between calls, as a real one would.
+                await anyio.sleep(0.002)
+            return latencies
+
+        return anyio.run(run, backend=backend)
+
+    def _timed(self, call: Callable[[str], object], calls: int) -> list[float]:
+        clock = time.perf_counter
+        n = len(self.bodies)
+        out = []
+        for i in range(calls):
+            t0 = clock()
+            call(self.bodies[i % n])
+            out.append(clock() - t0)
+            time.sleep(0.002)
+        return out
+
+
+def p50_ms(latencies: Sequence[float]) -> float:
+    return percentile(latencies, 0.5) * 1000.0

@@ -1,0 +1,152 @@
+"""What one measurement is, and the closed-loop drivers that take one.
+
+A measurement sends ``n`` bodies with ``c`` requests in flight (closed loop: each of ``c``
+workers sends its next body as soon as its previous response arrives) and records the wall time,
+every request's latency, and, where the path can tell, how many batches ran and how long the
+forward pass was busy.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import anyio
+
+__all__ = [
+    "Sample",
+    "check_responses",
+    "drive_async",
+    "drive_threads",
+    "percentile",
+]
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One measurement of one path at one concurrency level."""
+
+    tiles: int
+    wall_s: float
+    latencies_s: list[float]
+    batches: int | None = None
+    samples: int | None = None
+    forward_busy_s: float | None = None
+
+    @property
+    def throughput(self) -> float:
+        return self.tiles / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def mean_batch_size(self) -> float | None:
+        if not self.batches or self.samples is None:
+            return None
+        return self.samples / self.batches
+
+    @property
+    def busy_share(self) -> float | None:
+        if self.forward_busy_s is None or self.wall_s <= 0:
+            return None
+        return min(self.forward_busy_s / self.wall_s, 1.0)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (0..1) by nearest rank; 0.0 for no values."""
+    if not values:
+        return 0.0
+    data = sorted(values)
+    return data[min(len(data) - 1, round(q * (len(data) - 1)))]
+
+
+_PATCH_IDX = re.compile(r'"patch_idx":\s*(\d+)')
+
+
+def check_responses(responses: Sequence[str | None], path: str) -> None:
+    """Every response is there and answers its own request (body ``i`` has ``patch_idx == i``).
+
+    A benchmark that loses or crosses responses measures nothing: this runs after every
+    measurement, outside the timed section.
+    """
+    for i, response in enumerate(responses):
+        if response is None:
+            raise RuntimeError(f"{path}: request {i} got no response")
+        match = _PATCH_IDX.search(response)
+        if match is None or int(match.group(1)) != i:
+            raise RuntimeError(f"{path}: response {i} does not answer request {i}")
+
+
+async def drive_async(
+    call: Callable[[str], Awaitable[str]], bodies: Sequence[str], concurrency: int
+) -> tuple[float, list[float], list[str | None]]:
+    """Send every body through ``call`` with ``concurrency`` in flight; on the running loop."""
+    n = len(bodies)
+    latencies = [0.0] * n
+    responses: list[str | None] = [None] * n
+    next_index = 0
+    clock = time.perf_counter
+
+    async def worker() -> None:
+        nonlocal next_index
+        while next_index < n:
+            i = next_index
+            next_index += 1
+            started = clock()
+            responses[i] = await call(bodies[i])
+            latencies[i] = clock() - started
+
+    started = clock()
+    async with anyio.create_task_group() as tg:
+        for _ in range(min(concurrency, n)):
+            tg.start_soon(worker)
+    return clock() - started, latencies, responses
+
+
+def drive_threads(
+    call: Callable[[str], str], bodies: Sequence[str], concurrency: int
+) -> tuple[float, list[float], list[str | None]]:
+    """Send every body through blocking ``call`` from ``concurrency`` threads.
+
+    The threads are started before the clock starts and released together, so thread creation
+    is not measured.
+    """
+    n = len(bodies)
+    latencies = [0.0] * n
+    responses: list[str | None] = [None] * n
+    indices = iter(range(n))
+    lock = threading.Lock()
+    go = threading.Event()
+    errors: list[BaseException] = []
+    clock = time.perf_counter
+
+    def worker() -> None:
+        go.wait()
+        while True:
+            with lock:
+                i = next(indices, None)
+            if i is None:
+                return
+            started = clock()
+            try:
+                responses[i] = call(bodies[i])
+            except BaseException as exc:
+                errors.append(exc)
+                return
+            latencies[i] = clock() - started
+
+    threads = [
+        threading.Thread(target=worker, name=f"bench-sync-{k}", daemon=True)
+        for k in range(min(concurrency, n))
+    ]
+    for thread in threads:
+        thread.start()
+    started = clock()
+    go.set()
+    for thread in threads:
+        thread.join()
+    wall = clock() - started
+    if errors:
+        raise errors[0]
+    return wall, latencies, responses

@@ -1,0 +1,347 @@
+"""The paths a tile can take, each measured the same way over the same bodies.
+
+Every path answers ``measure(bodies, concurrency) -> Sample``. ``concurrency`` is how many tiles
+the caller has in flight (or in hand, for the paths that take batches): the explicit loop and the
+raw forward take chunks of ``min(concurrency, max_batch_size)``, the others keep ``concurrency``
+requests outstanding.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import anyio
+import torch
+
+from ..clients.inprocess import InProcessClient
+from ..models.base import ServerModel
+from .loopback import ServerProcess, http_unavailable
+from .measure import Sample, check_responses, drive_async, drive_threads
+from .peers import AsyncBatcherPeer, Pipeline, QueueBatcherPeer
+
+__all__ = ["PATHS", "BenchContext", "BenchPath", "make_paths"]
+
+
+@dataclass
+class BenchContext:
+    """What every path of one model shares."""
+
+    model_size: str
+    server_model: ServerModel
+    checkpoint: Path
+    max_batch_size: int
+    max_wait_ms: float
+    #: body index -> prepared uint8 tile, for the raw path (filled by the runner).
+    tiles: list[torch.Tensor]
+
+
+class BenchPath(ABC):
+    """One way to get tiles through the model."""
+
+    name: ClassVar[str]
+    label: ClassVar[str]
+
+    def __init__(self, ctx: BenchContext) -> None:
+        self.ctx = ctx
+        #: anything a reader of the results must know about how this path ran
+        self.note: str | None = None
+
+    def unavailable(self) -> str | None:
+        """Why this path cannot run here, or ``None``."""
+        return None
+
+    def open(self) -> None:  # noqa: B027 - most paths need nothing
+        """Acquire what the path needs (clients, servers)."""
+
+    def close(self) -> None:  # noqa: B027
+        """Release it."""
+
+    @abstractmethod
+    def measure(self, bodies: Sequence[str], concurrency: int) -> Sample: ...
+
+
+def _chunks(n: int, size: int) -> list[range]:
+    return [range(start, min(start + size, n)) for start in range(0, n, size)]
+
+
+class RawForward(BenchPath):
+    """``forward_batch`` over pre-decoded, pre-stacked tiles: the limit, no request handling."""
+
+    name = "raw"
+    label = "raw forward (pre-stacked tensors)"
+
+    def measure(self, bodies: Sequence[str], concurrency: int) -> Sample:
+        model = self.ctx.server_model
+        chunk = min(concurrency, self.ctx.max_batch_size)
+        batches = [torch.stack([self.ctx.tiles[i] for i in r]) for r in _chunks(len(bodies), chunk)]
+        latencies: list[float] = []
+        clock = time.perf_counter
+        started = clock()
+        for batch in batches:
+            t0 = clock()
+            model.forward_batch(batch, "predict")
+            latencies.extend([clock() - t0] * len(batch))
+        wall = clock() - started
+        return Sample(len(bodies), wall, latencies, len(batches), len(bodies), wall)
+
+
+class _ClientPath(BenchPath):
+    dynamic: ClassVar[bool] = True
+
+    def open(self) -> None:
+        self.client = InProcessClient(
+            self.ctx.server_model,
+            max_batch_size=self.ctx.max_batch_size,
+            max_wait_ms=self.ctx.max_wait_ms,
+            dynamic_batching=self.dynamic,
+        )
+
+    def close(self) -> None:
+        self.client.close()
+
+    def _with_stats(self, run: Callable[[], tuple[float, list[float], list[str | None]]]) -> Sample:
+        before = self.client.stats()["predict"]
+        wall, latencies, responses = run()
+        after = self.client.stats()["predict"]
+        check_responses(responses, self.name)
+        return Sample(
+            len(responses),
+            wall,
+            latencies,
+            after.batches - before.batches,
+            after.samples - before.samples,
+            after.forward_busy_s - before.forward_busy_s,
+        )
+
+
+class ExplicitLoop(_ClientPath):
+    """``predict_batch`` called in a loop over chunks, as a user batching by hand does."""
+
+    name = "explicit"
+    label = "explicit predict_batch loop"
+    dynamic = False
+
+    def measure(self, bodies: Sequence[str], concurrency: int) -> Sample:
+        chunk = min(concurrency, self.ctx.max_batch_size)
+
+        def run() -> tuple[float, list[float], list[str | None]]:
+            responses: list[str | None] = []
+            latencies: list[float] = []
+            clock = time.perf_counter
+            started = clock()
+            for r in _chunks(len(bodies), chunk):
+                t0 = clock()
+                responses.extend(self.client.predict_batch([bodies[i] for i in r]))
+                latencies.extend([clock() - t0] * len(r))
+            return clock() - started, latencies, responses
+
+        return self._with_stats(run)
+
+
+class DynamicAsync(_ClientPath):
+    """Concurrent ``predict_async`` calls, dynamically batched, on one anyio backend."""
+
+    backend: ClassVar[str] = "asyncio"
+
+    def measure(self, bodies: Sequence[str], concurrency: int) -> Sample:
+        return self._with_stats(
+            lambda: anyio.run(
+                drive_async, self.client.predict_async, bodies, concurrency, backend=self.backend
+            )
+        )
+
+
+class DynamicAsyncio(DynamicAsync):
+    name = "dynamic-asyncio"
+    label = "dynamic batching, asyncio"
+
+
+class DynamicTrio(DynamicAsync):
+    name = "dynamic-trio"
+    label = "dynamic batching, trio"
+    backend = "trio"
+
+
+class BatchSizeOne(DynamicAsync):
+    """``dynamic_batching=False``: every async call is its own forward pass."""
+
+    name = "bs1-asyncio"
+    label = "async, batch size 1 (dynamic_batching=False)"
+    dynamic = False
+
+
+class SyncThreads(_ClientPath):
+    """Blocking ``predict`` from ``concurrency`` threads (batched together in the portal)."""
+
+    name = "sync-threads"
+    label = "sync predict from N threads"
+
+    def measure(self, bodies: Sequence[str], concurrency: int) -> Sample:
+        return self._with_stats(lambda: drive_threads(self.client.predict, bodies, concurrency))
+
+
+class _PeerPath(BenchPath):
+    """An external batcher running our pipeline, created fresh in each measurement's loop."""
+
+    def open(self) -> None:
+        self.pipeline = Pipeline(self.ctx.server_model)
+
+    @abstractmethod
+    def make_peer(self) -> AsyncBatcherPeer | QueueBatcherPeer: ...
+
+    def measure(self, bodies: Sequence[str], concurrency: int) -> Sample:
+        async def run() -> tuple[float, list[float], list[str | None]]:
+            peer = self.make_peer()
+            try:
+                return await drive_async(peer.predict, bodies, concurrency)
+            finally:
+                await peer.aclose()
+
+        b0, s0, f0 = self.pipeline.counters()
+        wall, latencies, responses = anyio.run(run, backend="asyncio")
+        b1, s1, f1 = self.pipeline.counters()
+        check_responses(responses, self.name)
+        return Sample(len(bodies), wall, latencies, b1 - b0, s1 - s0, f1 - f0)
+
+
+class AsyncBatcherPath(_PeerPath):
+    name = "async-batcher"
+    label = "peer: async-batcher, same pipeline"
+
+    def unavailable(self) -> str | None:
+        try:
+            import async_batcher  # noqa: F401
+        except ImportError:
+            return "async-batcher is not installed (pip install 'histoinfer[bench]')"
+        return None
+
+    def make_peer(self) -> AsyncBatcherPeer:
+        return AsyncBatcherPeer(self.pipeline, self.ctx.max_batch_size, self.ctx.max_wait_ms)
+
+
+class QueueBatcherPath(_PeerPath):
+    name = "asyncio-queue"
+    label = "peer: plain asyncio.Queue batcher, same pipeline"
+
+    def make_peer(self) -> QueueBatcherPeer:
+        return QueueBatcherPeer(self.pipeline, self.ctx.max_batch_size, self.ctx.max_wait_ms)
+
+
+class HttpLoopback(BenchPath):
+    """``HttpClient.predict_async`` against ``histoinfer serve`` on 127.0.0.1 (same machine)."""
+
+    name = "http"
+    label = "HTTP loopback (histoinfer serve + HttpClient)"
+
+    def unavailable(self) -> str | None:
+        return http_unavailable()
+
+    def open(self) -> None:
+        self.server = ServerProcess(
+            self.ctx.checkpoint,
+            max_batch_size=self.ctx.max_batch_size,
+            max_wait_ms=self.ctx.max_wait_ms,
+        )
+        self.note = f"client: {http_client_kind()}; server: {' '.join(self.server.command[1:])}"
+
+    def close(self) -> None:
+        self.server.close()
+
+    def measure(self, bodies: Sequence[str], concurrency: int) -> Sample:
+        base_url, model = self.server.base_url, self.server.model
+
+        async def run() -> tuple[float, list[float], list[str | None]]:
+            client = _http_client(base_url, model, concurrency)
+            async with client:
+                return await drive_async(client.predict_async, bodies, concurrency)
+
+        before = self.server.metrics()
+        wall, latencies, responses = anyio.run(run, backend="asyncio")
+        after = self.server.metrics()
+        check_responses(responses, self.name)
+
+        def delta(key: str) -> float | None:
+            if key not in before or key not in after:
+                return None
+            return after[key] - before[key]
+
+        batches, samples = delta("batches"), delta("samples")
+        return Sample(
+            len(bodies),
+            wall,
+            latencies,
+            None if batches is None else round(batches),
+            None if samples is None else round(samples),
+            delta("forward_s"),
+        )
+
+
+class _PlainHttpx:
+    """Without ``histoinfer.HttpClient``: the same route through a bare ``httpx.AsyncClient``."""
+
+    def __init__(self, base_url: str, model: str, max_connections: int) -> None:
+        import httpx
+
+        self._url = f"/api/predict/{model}"
+        self._client = httpx.AsyncClient(
+            base_url=base_url,
+            timeout=120.0,
+            limits=httpx.Limits(max_connections=max_connections),
+            headers={"content-type": "application/json"},
+        )
+
+    async def predict_async(self, body: str) -> str:
+        response = await self._client.post(self._url, content=body)
+        response.raise_for_status()
+        return response.text
+
+    async def __aenter__(self) -> _PlainHttpx:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._client.aclose()
+
+
+def http_client_kind() -> str:
+    try:
+        from histoinfer.clients.http import HttpClient  # noqa: F401
+    except ImportError:
+        return "httpx.AsyncClient (histoinfer.HttpClient not available yet)"
+    return "histoinfer.HttpClient"
+
+
+def _http_client(base_url: str, model: str, concurrency: int) -> Any:
+    connections = max(concurrency, 16)
+    try:
+        from histoinfer.clients.http import HttpClient
+    except ImportError:
+        return _PlainHttpx(base_url, model, connections)
+    return HttpClient(base_url, model, max_connections=connections)
+
+
+PATHS: dict[str, type[BenchPath]] = {
+    cls.name: cls
+    for cls in (
+        RawForward,
+        ExplicitLoop,
+        DynamicAsyncio,
+        DynamicTrio,
+        BatchSizeOne,
+        SyncThreads,
+        HttpLoopback,
+        AsyncBatcherPath,
+        QueueBatcherPath,
+    )
+}
+
+
+def make_paths(names: Sequence[str], ctx: BenchContext) -> list[BenchPath]:
+    unknown = [n for n in names if n not in PATHS]
+    if unknown:
+        raise ValueError(f"unknown paths: {', '.join(unknown)} (choose from {', '.join(PATHS)})")
+    return [PATHS[n](ctx) for n in names]

@@ -1,0 +1,195 @@
+"""Writing a run out: ``report.json`` (everything), ``report.md`` (tables) and ``report.png``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = ["markdown", "write_outputs"]
+
+
+def _num(value: float | None, digits: int = 1) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def _pct(value: float | None) -> str:
+    return "–" if value is None else f"{100 * value:.0f}%"
+
+
+def _load(values: list[float] | None) -> str:
+    return "–" if not values else "/".join(f"{v:.2f}" for v in values)
+
+
+def _met(met: bool | None) -> str:
+    return {True: "**met**", False: "not met", None: "not measured"}[met]
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    """A Markdown table, as lines."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return [*lines, ""]
+
+
+def _checks_table(checks: list[dict[str, Any]]) -> list[str]:
+    headers = ["target", "issue", "value (median)", "bound", "per round", "result", "conditions"]
+    rows = []
+    for c in checks:
+        bound = ("≥ " if c["higher_is_better"] else "≤ ") + f"{c['target']:g}"
+        rounds = ", ".join(f"{v:.2f}" for v in c["per_round"])
+        value, met = _num(c["value"], 2), _met(c["met"])
+        rows.append([c["name"], f"#{c['issue']}", value, bound, rounds, met, c["detail"]])
+    return _table(headers, rows)
+
+
+def _profile_section(profile: dict[str, Any]) -> list[str]:
+    out = [
+        "## Where a request's time goes (tiny model)",
+        "",
+        f"Body {profile['body_bytes']} bytes (PNG {profile['png_bytes']} bytes); torch uses "
+        f"{profile['torch_threads']} threads. Cost: each step alone on one thread. GIL held: "
+        "the share of the step's running time during which it holds the GIL (py-spy, the step "
+        "alone in a loop); a step near 0% runs in parallel with others, near 100% excludes them.",
+        "",
+    ]
+    rows = []
+    for row in profile["steps"]:
+        share = row.get("gil_share")
+        rows.append([row["step"], f"{row['us_per_tile']:.0f}", _pct(share and min(share, 1.0))])
+    out += _table(["step", "µs per tile", "GIL held"], rows)
+    skipped = profile.get("gil_by_step", {}).get("skipped")
+    if skipped:
+        out += [f"GIL by step skipped: {skipped}", ""]
+    sampling = profile.get("sampling", {})
+    if "skipped" in sampling:
+        out += [f"Sampling profile skipped: {sampling['skipped']}", ""]
+    elif sampling:
+        gil, cpu = sampling["gil"], sampling["cpu"]
+        out += [
+            f"py-spy, dynamic batching on asyncio with 512 in flight, {sampling['seconds']} s "
+            f"at {sampling['rate_hz']} Hz: the GIL is held {_pct(gil['share_of_wall'])} of the "
+            f"wall time; {cpu['share_of_wall']:.2f} Python threads are runnable on average "
+            "(threads waiting for the GIL included, torch's own worker threads not).",
+            "",
+        ]
+        steps = dict.fromkeys([*gil["steps"], *cpu["steps"]])
+        rows = [[s, _pct(gil["steps"].get(s)), _pct(cpu["steps"].get(s))] for s in steps]
+        out += _table(["step", "share of GIL-held samples", "share of runnable samples"], rows)
+    return out
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The report as Markdown: what ran, the tables, and the targets with their results."""
+    env = report["environment"]
+    cfg = report["config"]
+    out = [
+        "# histoinfer bench",
+        "",
+        f"`{report['command']}` — {report['date']}, {report['seconds']} s",
+        "",
+        f"{env['cpus']} CPUs, torch {env['torch']} ({env['torch_threads']} threads), "
+        f"Python {env['python']}, CUDA: {env['cuda']}, commit {env['commit']}, "
+        f"load average {_load(env['load_average'])} → {_load(env.get('load_average_end'))}. "
+        f"max_batch_size {cfg['max_batch_size']}, max_wait_ms {cfg['max_wait_ms']}; "
+        f"medians over {cfg['rounds']} interleaved rounds.",
+        "",
+    ]
+    checks: list[dict[str, Any]] = []
+    throughput = report.get("throughput")
+    if throughput:
+        headers = ["model", "path", "in flight", "tiles", "tiles/s", "p50 ms", "p95 ms"]
+        headers += ["p99 ms", "mean batch", "forward busy"]
+        rows = [
+            [row["model"], row["path"], str(row["concurrency"]), str(row["tiles"])]
+            + [f"{row['throughput']:.1f}"]
+            + [f"{row['latency_ms'][q]:.1f}" for q in ("p50", "p95", "p99")]
+            + [_num(row["mean_batch_size"]), _pct(row["forward_busy"])]
+            for row in throughput["rows"]
+        ]
+        out += ["## Throughput and latency", "", *_table(headers, rows)]
+        for skip in throughput["skipped"]:
+            out.append(f"- skipped `{skip['path']}` ({skip['model']}): {skip['reason']}")
+        for note in throughput.get("notes", []):
+            out.append(f"- `{note['path']}` ({note['model']}): {note['note']}")
+        if throughput["skipped"] or throughput.get("notes"):
+            out.append("")
+        checks += throughput["checks"]
+    overhead = report.get("overhead")
+    if overhead:
+        headers = ["batcher", "in flight", "requests", "req/s", "p50 ms", "p99 ms", "mean batch"]
+        rows = [
+            [row["label"], str(row["concurrency"]), str(row["tiles"]), f"{row['throughput']:.0f}"]
+            + [f"{row['latency_ms'][q]:.2f}" for q in ("p50", "p99")]
+            + [_num(row["mean_batch_size"])]
+            for row in overhead["rows"]
+        ]
+        out += ["## Scheduler overhead (no-op batch function)", "", *_table(headers, rows)]
+        checks += overhead["checks"]
+    latency = report.get("latency")
+    if latency:
+        rows = []
+        for row in latency["rows"]:
+            rounds = ", ".join(f"{v:.2f}" for v in row["p50_ms_rounds"])
+            rows.append([row["model"], row["variant"], f"{row['p50_ms']:.2f}", rounds])
+        out += ["## Lone request latency (concurrency 1, max_wait_ms=5)", ""]
+        out += _table(["model", "variant", "p50 ms (median)", "per round"], rows)
+        checks += latency["checks"]
+    if checks:
+        out += ["## Targets (issues 3 and 5)", "", *_checks_table(checks)]
+    profile = report.get("profile")
+    if profile:
+        out += _profile_section(profile)
+    return "\n".join(out)
+
+
+def plot(report: dict[str, Any], path: Path) -> bool:
+    """Throughput and p95 latency against concurrency, one row of panels per model."""
+    throughput = report.get("throughput")
+    if not throughput or not throughput["rows"]:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(row["model"] for row in throughput["rows"]))
+    fig, axes = plt.subplots(len(models), 2, figsize=(12, 4.5 * len(models)), squeeze=False)
+    for (ax_tp, ax_lat), model in zip(axes, models, strict=True):
+        rows = [row for row in throughput["rows"] if row["model"] == model]
+        for name in dict.fromkeys(row["path"] for row in rows):
+            series = sorted((r for r in rows if r["path"] == name), key=lambda r: r["concurrency"])
+            xs = [r["concurrency"] for r in series]
+            ax_tp.plot(xs, [r["throughput"] for r in series], marker="o", label=name)
+            ax_lat.plot(xs, [r["latency_ms"]["p95"] for r in series], marker="o", label=name)
+        for ax, title, unit in (
+            (ax_tp, "throughput", "tiles/s"),
+            (ax_lat, "p95 latency", "ms"),
+        ):
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"h1 {model}: {title}")
+            ax.set_xlabel("requests in flight")
+            ax.set_ylabel(unit)
+            ax.grid(True, which="both", alpha=0.3)
+        ax_lat.set_yscale("log")
+        ax_tp.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write_outputs(report: dict[str, Any], out_dir: Path) -> list[Path]:
+    """Write ``report.json``, ``report.md`` and (with results to plot) ``report.png``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    json_path = out_dir / "report.json"
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    written.append(json_path)
+    md_path = out_dir / "report.md"
+    md_path.write_text(markdown(report))
+    written.append(md_path)
+    png_path = out_dir / "report.png"
+    if plot(report, png_path):
+        written.append(png_path)
+    return written

@@ -1,0 +1,475 @@
+"""Runs the suites in interleaved rounds and reduces them to medians and paired ratios.
+
+On a shared, noisy machine absolute timings drift from minute to minute. So every round measures
+every path (round-robin, in a rotated order) at every level, each ratio is taken *within* a
+round, and what is reported is the median over rounds, with the per-round values alongside.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..models import ServerModel, build_server_model
+from ..models.h1 import export_reference_h1
+from ..schema import parse_request
+from .bodies import make_bodies
+from .latency import LONE_VARIANTS, LoneLatency, p50_ms
+from .measure import Sample, percentile
+from .overhead import OVERHEAD_VARIANTS, OverheadConfig, measure_overhead
+from .paths import PATHS, BenchContext, BenchPath, make_paths
+
+__all__ = ["BenchConfig", "default_workdir", "run_bench"]
+
+Log = Callable[[str], None]
+
+ALL_SUITES = ("throughput", "overhead", "latency")
+SUITES = (*ALL_SUITES, "profile")
+
+
+def default_workdir() -> Path:
+    from platformdirs import user_cache_path
+
+    return user_cache_path("histoinfer") / "bench"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Everything a run depends on; written into the JSON so that a run can be repeated."""
+
+    models: tuple[str, ...] = ("tiny",)
+    paths: tuple[str, ...] = tuple(PATHS)
+    levels: tuple[int, ...] = (1, 8, 64, 512)
+    tiles: int = 512
+    #: at low concurrency a level needs fewer tiles to be measured: max(min_tiles, 8 * level)
+    min_tiles: int = 128
+    rounds: int = 5
+    max_batch_size: int = 64
+    max_wait_ms: float = 5.0
+    seed: int = 0
+    suites: tuple[str, ...] = ALL_SUITES
+    # The small model costs ~40 ms a tile here: fewer paths, one level, fewer tiles and rounds.
+    small_paths: tuple[str, ...] = ("raw", "explicit", "dynamic-asyncio", "dynamic-trio")
+    small_levels: tuple[int, ...] = (512,)
+    small_tiles: int = 256
+    small_rounds: int = 3
+    overhead_levels: tuple[int, ...] = (1, 64, 512)
+    overhead_requests: int = 20_000
+    lone_calls: int = 60
+    workdir: str = field(default_factory=lambda: str(default_workdir()))
+    quick: bool = False
+
+    def tiles_at(self, model: str, level: int) -> int:
+        total = self.small_tiles if model == "small" else self.tiles
+        return min(total, max(self.min_tiles, 8 * level))
+
+
+def quick_config(**overrides: Any) -> BenchConfig:
+    """``--quick``: the same suites, fewer levels, tiles and rounds (well under 2 minutes)."""
+    base = BenchConfig(
+        levels=(1, 64, 512),
+        tiles=256,
+        min_tiles=48,
+        rounds=3,
+        overhead_levels=(1, 512),
+        overhead_requests=6_000,
+        lone_calls=30,
+        small_tiles=128,
+        small_rounds=2,
+        quick=True,
+    )
+    return replace(base, **overrides)
+
+
+# -- setup ---------------------------------------------------------------------------------------
+
+
+def ensure_checkpoint(size: str, workdir: Path, log: Log) -> Path:
+    out = workdir / f"h1-{size}"
+    checkpoint = out / "model.pt2"
+    if not (checkpoint.exists() and (out / "model.json").exists()):
+        log(f"exporting the reference h1 {size} checkpoint to {out} (once) ...")
+        export_reference_h1(size, out)
+    return checkpoint
+
+
+def load_bodies(n: int, seed: int, workdir: Path, log: Log) -> list[str]:
+    # Body i depends only on (seed, i): any cached set at least this large serves.
+    for cached in sorted(workdir.glob(f"bodies-*-seed{seed}.json")):
+        try:
+            bodies: list[str] = json.loads(cached.read_text())
+        except ValueError:
+            continue
+        if len(bodies) >= n:
+            return bodies[:n]
+    cache = workdir / f"bodies-{n}-seed{seed}.json"
+    log(f"building {n} request bodies (seeded H&E-like 224x224 PNG tiles) ...")
+    bodies = make_bodies(n, seed=seed)
+    workdir.mkdir(parents=True, exist_ok=True)
+    partial = cache.with_suffix(".partial")
+    partial.write_text(json.dumps(bodies))
+    partial.replace(cache)
+    return bodies
+
+
+def prepare_tiles(model: ServerModel, bodies: Sequence[str]) -> list[torch.Tensor]:
+    return [model.prepare_sample(parse_request(b)) for b in bodies]
+
+
+# -- reduction -----------------------------------------------------------------------------------
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def summarize(samples: Sequence[Sample]) -> dict[str, Any]:
+    """Medians over rounds of one (model, path, level)."""
+    return {
+        "tiles": samples[0].tiles,
+        "rounds": len(samples),
+        "throughput": statistics.median(s.throughput for s in samples),
+        "throughput_rounds": [round(s.throughput, 1) for s in samples],
+        "latency_ms": {
+            q: statistics.median(percentile(s.latencies_s, v) * 1000 for s in samples)
+            for q, v in (("p50", 0.50), ("p95", 0.95), ("p99", 0.99))
+        },
+        "mean_batch_size": _median([s.mean_batch_size for s in samples]),
+        "forward_busy": _median([s.busy_share for s in samples]),
+    }
+
+
+@dataclass(frozen=True)
+class Check:
+    """One target of issues 3/5: a value (median over rounds), compared with a bound."""
+
+    name: str
+    issue: str
+    value: float | None
+    target: float
+    higher_is_better: bool
+    per_round: list[float]
+    detail: str = ""
+
+    @property
+    def met(self) -> bool | None:
+        if self.value is None:
+            return None
+        return self.value >= self.target if self.higher_is_better else self.value <= self.target
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "met": self.met}
+
+
+def _paired(
+    samples: dict[tuple[str, str, int], list[Sample]], model: str, num: str, den: str, level: int
+) -> list[float]:
+    a, b = samples.get((model, num, level)), samples.get((model, den, level))
+    if not a or not b:
+        return []
+    return [x.throughput / y.throughput for x, y in zip(a, b, strict=False) if y.throughput > 0]
+
+
+def throughput_checks(
+    samples: dict[tuple[str, str, int], list[Sample]], cfg: BenchConfig
+) -> list[Check]:
+    checks: list[Check] = []
+
+    def ratio(
+        name: str, issue: str, model: str, num: str, den: str, level: int, target: float
+    ) -> None:
+        rounds = _paired(samples, model, num, den, level)
+        detail = f"{model} model, {cfg.tiles_at(model, level)} tiles, {level} in flight"
+        if not rounds:
+            detail += f" (not measured: {num} or {den} missing)"
+        checks.append(Check(name, issue, _median(rounds), target, True, rounds, detail))
+
+    if "tiny" in cfg.models and cfg.levels:
+        top = max(cfg.levels)
+        ratio("dynamic / explicit loop", "3", "tiny", "dynamic-asyncio", "explicit", top, 1.0)
+        ratio("dynamic / explicit loop", "5", "tiny", "dynamic-asyncio", "explicit", top, 1.3)
+        ratio("dynamic / async-batcher", "5", "tiny", "dynamic-asyncio", "async-batcher", top, 1.3)
+        ratio("trio / asyncio (dynamic)", "3", "tiny", "dynamic-trio", "dynamic-asyncio", top, 0.9)
+        ratio("trio / asyncio (dynamic)", "5", "tiny", "dynamic-trio", "dynamic-asyncio", top, 0.95)
+        ratio("in-process / HTTP loopback", "5", "tiny", "dynamic-asyncio", "http", top, 3.0)
+    if "small" in cfg.models and cfg.small_levels:
+        top = max(cfg.small_levels)
+        ratio("dynamic / explicit loop", "5", "small", "dynamic-asyncio", "explicit", top, 1.05)
+        busy = [
+            s.busy_share
+            for s in samples.get(("small", "dynamic-asyncio", top), [])
+            if s.busy_share is not None
+        ]
+        checks.append(
+            Check(
+                "forward busy share (dynamic)",
+                "5",
+                _median(busy),
+                0.95,
+                True,
+                busy,
+                f"small model, {cfg.tiles_at('small', top)} tiles, {top} in flight",
+            )
+        )
+    return checks
+
+
+# -- suites --------------------------------------------------------------------------------------
+
+
+def run_throughput(cfg: BenchConfig, log: Log) -> dict[str, Any]:
+    workdir = Path(cfg.workdir)
+    rows: list[dict[str, Any]] = []
+    skipped: list[dict[str, str]] = []
+    notes: list[dict[str, str]] = []
+    samples: dict[tuple[str, str, int], list[Sample]] = {}
+    for size in cfg.models:
+        small = size == "small"
+        names = [p for p in (cfg.small_paths if small else cfg.paths) if p in cfg.paths]
+        levels = cfg.small_levels if small else cfg.levels
+        rounds = min(cfg.rounds, cfg.small_rounds) if small else cfg.rounds
+        checkpoint = ensure_checkpoint(size, workdir, log)
+        model = build_server_model("h1", checkpoint)
+        n = max(cfg.tiles_at(size, level) for level in levels)
+        bodies = load_bodies(n, cfg.seed, workdir, log)
+        ctx = BenchContext(
+            size,
+            model,
+            checkpoint,
+            cfg.max_batch_size,
+            cfg.max_wait_ms,
+            prepare_tiles(model, bodies),
+        )
+        paths: list[BenchPath] = []
+        for path in make_paths(names, ctx):
+            reason = path.unavailable()
+            if reason is None:
+                try:
+                    path.open()
+                except Exception as exc:
+                    reason = f"could not start: {exc}"
+            if reason is not None:
+                log(f"[{size}] skipping {path.name}: {reason}")
+                skipped.append({"model": size, "path": path.name, "reason": reason})
+                continue
+            paths.append(path)
+            if path.note:
+                notes.append({"model": size, "path": path.name, "note": path.note})
+        try:
+            warm = bodies[: min(n, 2 * cfg.max_batch_size)]
+            for path in paths:  # warm thread pools, kernels and connections; discarded
+                path.measure(warm, max(levels))
+                path.measure(bodies[:4], 1)
+            for r in range(rounds):
+                for level in levels:
+                    subset = bodies[: cfg.tiles_at(size, level)]
+                    shift = r % len(paths) if paths else 0
+                    for path in paths[shift:] + paths[:shift]:
+                        sample = path.measure(subset, level)
+                        samples.setdefault((size, path.name, level), []).append(sample)
+                        log(
+                            f"[{size}] round {r + 1}/{rounds} c={level:<4} {path.name:<16} "
+                            f"{sample.throughput:8.1f} tiles/s"
+                        )
+        finally:
+            for path in paths:
+                path.close()
+        for path in paths:
+            for level in levels:
+                rows.append(
+                    {
+                        "model": size,
+                        "path": path.name,
+                        "label": path.label,
+                        "concurrency": level,
+                        **summarize(samples[(size, path.name, level)]),
+                    }
+                )
+    return {
+        "rows": rows,
+        "skipped": skipped,
+        "notes": notes,
+        "checks": [c.as_dict() for c in throughput_checks(samples, cfg)],
+    }
+
+
+def run_overhead(cfg: BenchConfig, log: Log) -> dict[str, Any]:
+    variants = list(OVERHEAD_VARIANTS)
+    try:
+        import async_batcher  # noqa: F401
+    except ImportError:
+        variants = [v for v in variants if not v.startswith("async-batcher")]
+    samples: dict[tuple[str, int], list[Sample]] = {}
+    for variant in variants:  # warm-up
+        measure_overhead(variant, OverheadConfig(requests=1000, concurrency=64))
+    for r in range(cfg.rounds):
+        for level in cfg.overhead_levels:
+            requests = cfg.overhead_requests if level > 1 else max(cfg.overhead_requests // 20, 200)
+            oc = OverheadConfig(requests, level, cfg.max_batch_size, cfg.max_wait_ms)
+            shift = r % len(variants)
+            for variant in variants[shift:] + variants[:shift]:
+                sample = measure_overhead(variant, oc)
+                samples.setdefault((variant, level), []).append(sample)
+                log(
+                    f"[overhead] round {r + 1}/{cfg.rounds} c={level:<4} {variant:<20} "
+                    f"{sample.throughput:9.0f} req/s"
+                )
+    rows = [
+        {
+            "variant": variant,
+            "label": OVERHEAD_VARIANTS[variant][1],
+            "concurrency": level,
+            **summarize(samples[(variant, level)]),
+        }
+        for variant in variants
+        for level in cfg.overhead_levels
+    ]
+    checks: list[Check] = []
+    if "async-batcher" in variants:
+        top = max(cfg.overhead_levels)
+
+        def ratio(num: str, den: str, target: float, name: str) -> None:
+            rounds = [
+                a.throughput / b.throughput
+                for a, b in zip(samples[(num, top)], samples[(den, top)], strict=False)
+            ]
+            detail = f"no-op batch fn, {top} in flight, max_batch_size {cfg.max_batch_size}"
+            checks.append(Check(name, "5", _median(rounds), target, True, rounds, detail))
+
+        ratio("scheduler-asyncio", "async-batcher", 1.0, "scheduler / async-batcher (asyncio)")
+        ratio("scheduler-trio", "async-batcher", 0.8, "scheduler trio / async-batcher")
+        ratio(
+            "scheduler-asyncio",
+            "async-batcher-async",
+            1.0,
+            "scheduler / async-batcher with async no-op",
+        )
+    return {"rows": rows, "checks": [c.as_dict() for c in checks]}
+
+
+def run_latency(cfg: BenchConfig, log: Log) -> dict[str, Any]:
+    workdir = Path(cfg.workdir)
+    rows: list[dict[str, Any]] = []
+    checks: list[Check] = []
+    for size in cfg.models:
+        model = build_server_model("h1", ensure_checkpoint(size, workdir, log))
+        bodies = load_bodies(max(cfg.tiles_at(size, 1), 16), cfg.seed, workdir, log)
+        calls = cfg.lone_calls if size != "small" else max(cfg.lone_calls // 3, 10)
+        lone = LoneLatency(model, bodies, prepare_tiles(model, bodies))
+        per: dict[str, list[float]] = {v: [] for v in LONE_VARIANTS}
+        try:
+            for variant in LONE_VARIANTS:
+                lone.measure(variant, 5)  # warm-up
+            for r in range(cfg.rounds):
+                for variant in LONE_VARIANTS[r % 4 :] + LONE_VARIANTS[: r % 4]:
+                    per[variant].append(p50_ms(lone.measure(variant, calls)))
+                log(
+                    f"[latency {size}] round {r + 1}/{cfg.rounds} "
+                    + " ".join(f"{v}={per[v][-1]:.2f}ms" for v in LONE_VARIANTS)
+                )
+        finally:
+            lone.close()
+        for variant in LONE_VARIANTS:
+            rows.append(
+                {
+                    "model": size,
+                    "variant": variant,
+                    "p50_ms": statistics.median(per[variant]),
+                    "p50_ms_rounds": [round(v, 3) for v in per[variant]],
+                }
+            )
+        # Target: lone p50 <= 1.2 x raw forward(1) + 1 ms; reported as lone / bound (<= 1).
+        for reading, base in (("raw forward(1)", "raw-forward-1"), ("pipeline(1)", "pipeline-1")):
+            rounds = [
+                lone_ms / (1.2 * base_ms + 1.0)
+                for lone_ms, base_ms in zip(per["dynamic-asyncio"], per[base], strict=True)
+            ]
+            bound = 1.2 * statistics.median(per[base]) + 1.0
+            checks.append(
+                Check(
+                    f"lone latency / (1.2 x {reading} + 1 ms)",
+                    "5",
+                    _median(rounds),
+                    1.0,
+                    False,
+                    rounds,
+                    f"{size} model, asyncio, max_wait_ms=5: "
+                    f"{statistics.median(per['dynamic-asyncio']):.2f} ms vs bound {bound:.2f} ms",
+                )
+            )
+    return {"rows": rows, "checks": [c.as_dict() for c in checks]}
+
+
+# -- the whole run -------------------------------------------------------------------------------
+
+
+def _git_commit() -> str | None:
+    try:
+        result = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=False,
+            cwd=Path(__file__).parent,
+        )
+    except OSError:
+        return None
+    return result.stdout.strip() or None
+
+
+def environment() -> dict[str, Any]:
+    import anyio
+    import trio
+
+    from .. import __version__
+
+    return {
+        "histoinfer": __version__,
+        "commit": _git_commit(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "anyio": anyio.__version__ if hasattr(anyio, "__version__") else None,
+        "trio": trio.__version__,
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "cuda": torch.cuda.is_available(),
+    }
+
+
+def run_bench(cfg: BenchConfig, log: Log, command: str = "histoinfer bench") -> dict[str, Any]:
+    """Run the configured suites; return the whole report (what ``report.json`` holds)."""
+    started = time.perf_counter()
+    report: dict[str, Any] = {
+        "command": command,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "config": asdict(cfg),
+        "environment": environment(),
+    }
+    if "throughput" in cfg.suites:
+        report["throughput"] = run_throughput(cfg, log)
+    if "overhead" in cfg.suites:
+        report["overhead"] = run_overhead(cfg, log)
+    if "latency" in cfg.suites:
+        report["latency"] = run_latency(cfg, log)
+    if "profile" in cfg.suites:
+        from .profile import run_profile
+
+        report["profile"] = run_profile(cfg, log)
+    env = report["environment"]
+    env["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    report["seconds"] = round(time.perf_counter() - started, 1)
+    return report

@@ -1,0 +1,187 @@
+"""Smoke tests of the benchmark harness: it runs, and its outputs are well-formed.
+
+Tiny sizes and no timing assertions: timings on a shared CI machine mean nothing. What is
+checked is that every suite runs, every path answers every request with its own response, and
+the JSON, Markdown and PNG outputs are produced and consistent.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from histoinfer.bench.bodies import make_bodies
+from histoinfer.bench.cli import main as bench_main
+from histoinfer.bench.loopback import http_unavailable, parse_metrics
+from histoinfer.bench.measure import check_responses
+from histoinfer.bench.profile import classify_stack
+from histoinfer.bench.report import write_outputs
+from histoinfer.bench.runner import BenchConfig, run_bench
+
+PATHS = ("raw", "explicit", "dynamic-asyncio", "dynamic-trio", "asyncio-queue", "async-batcher")
+
+
+@pytest.fixture
+def workdir(tmp_path: Path, tiny_dir: Path) -> Path:
+    """A bench workdir holding the session's tiny checkpoint (no second export)."""
+    work = tmp_path / "work"
+    shutil.copytree(tiny_dir, work / "h1-tiny")
+    return work
+
+
+def test_bodies_are_seeded_distinct_and_valid() -> None:
+    from histoinfer.schema import parse_request
+
+    a, b = make_bodies(4, seed=3), make_bodies(4, seed=3)
+    assert a == b
+    assert len(set(a)) == 4
+    assert make_bodies(2, seed=4) != a[:2]
+    for i, body in enumerate(a):
+        request = parse_request(body)
+        assert (request.patch_idx, request.width, request.height) == (i, 224, 224)
+
+
+def test_check_responses_catches_crossed_and_missing() -> None:
+    ok = ['{"output":[1.0],"patch_idx":0}', '{"output":[2.0],"patch_idx":1}']
+    check_responses(ok, "p")
+    with pytest.raises(RuntimeError, match="does not answer"):
+        check_responses(list(reversed(ok)), "p")
+    with pytest.raises(RuntimeError, match="no response"):
+        check_responses([ok[0], None], "p")
+
+
+def test_parse_metrics_sums_over_labels() -> None:
+    text = "\n".join(
+        [
+            "# HELP histoinfer_batch_size samples per batch",
+            'histoinfer_batch_size_count{mode="predict"} 3',
+            'histoinfer_batch_size_sum{mode="predict"} 96',
+            'histoinfer_batch_size_sum{mode="embed"} 4',
+            'histoinfer_forward_seconds_sum{mode="predict"} 0.5',
+            "histoinfer_queue_depth 0",
+        ]
+    )
+    assert parse_metrics(text) == {"batches": 3.0, "samples": 100.0, "forward_s": 0.5}
+
+
+def test_classify_stack() -> None:
+    def frame(func: str, path: str, line: int = 1) -> str:
+        return f"{func} ({path}:{line})"
+
+    assert (
+        classify_stack(
+            [frame("run", "threading.py"), frame("load", "site-packages/PIL/ImageFile.py")]
+        )
+        == "PNG decode"
+    )
+    assert classify_stack([frame("parse_request", "histoinfer/schema.py")]) == (
+        "JSON parse + validate"
+    )
+    assert classify_stack([frame("forward_batch", "histoinfer/models/base.py")]) == "forward"
+    assert classify_stack([frame("select", "selectors.py"), frame("x", "asyncio/base.py")]) == (
+        "event loop / thread handoff"
+    )
+
+
+def test_http_path_reports_why_it_cannot_run() -> None:
+    reason = http_unavailable()
+    assert reason is None or (isinstance(reason, str) and reason)
+
+
+@pytest.mark.timeout(90)
+def test_run_bench_smoke_writes_json_markdown_and_plot(workdir: Path, tmp_path: Path) -> None:
+    cfg = BenchConfig(
+        models=("tiny",),
+        paths=PATHS,
+        levels=(1, 8),
+        tiles=16,
+        min_tiles=8,
+        rounds=2,
+        max_batch_size=8,
+        suites=("throughput", "overhead", "latency"),
+        overhead_levels=(8,),
+        overhead_requests=400,
+        lone_calls=3,
+        workdir=str(workdir),
+    )
+    lines: list[str] = []
+    report = run_bench(cfg, lines.append, "test")
+    out = tmp_path / "out"
+    written = write_outputs(report, out)
+    assert {p.name for p in written} == {"report.json", "report.md", "report.png"}
+
+    data = json.loads((out / "report.json").read_text())
+    rows = data["throughput"]["rows"]
+    measured = {(r["path"], r["concurrency"]) for r in rows}
+    skipped = {s["path"] for s in data["throughput"]["skipped"]}
+    assert measured == {(p, c) for p in PATHS if p not in skipped for c in (1, 8)}
+    for row in rows:
+        assert row["rounds"] == 2
+        assert row["throughput"] > 0
+        assert 0 < row["latency_ms"]["p50"] <= row["latency_ms"]["p99"]
+        assert row["tiles"] == 8 if row["concurrency"] == 1 else row["tiles"] == 16
+    raw8 = next(r for r in rows if r["path"] == "raw" and r["concurrency"] == 8)
+    assert raw8["mean_batch_size"] == 8
+    dynamic = next(r for r in rows if r["path"] == "dynamic-asyncio" and r["concurrency"] == 8)
+    assert dynamic["mean_batch_size"] is not None and dynamic["mean_batch_size"] >= 1
+    assert 0 < dynamic["forward_busy"] <= 1
+
+    checks = {(c["name"], c["issue"]) for c in data["throughput"]["checks"]}
+    assert ("dynamic / explicit loop", "3") in checks
+    assert ("trio / asyncio (dynamic)", "5") in checks
+    for section in ("throughput", "overhead", "latency"):
+        for check in data[section]["checks"]:
+            assert check["met"] in (True, False, None)
+            assert len(check["per_round"]) <= 2
+    variants = {r["variant"] for r in data["overhead"]["rows"]}
+    assert {"scheduler-asyncio", "scheduler-trio"} <= variants
+    assert {r["variant"] for r in data["latency"]["rows"]} == {
+        "raw-forward-1",
+        "pipeline-1",
+        "dynamic-asyncio",
+        "dynamic-trio",
+    }
+
+    md = (out / "report.md").read_text()
+    assert "| model | path | in flight |" in md
+    assert "## Targets (issues 3 and 5)" in md
+    assert "## Scheduler overhead" in md
+    assert "| tiny | dynamic-trio | 1 |" in md and "| tiny | dynamic-trio | 8 |" in md
+    assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert any("round 2/2" in line for line in lines)
+
+
+@pytest.mark.timeout(60)
+def test_cli_runs_and_reports(workdir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    from histoinfer.cli import main
+
+    out = tmp_path / "cli"
+    code = main(
+        [
+            "bench",
+            "--quick",
+            "--suites=throughput",
+            "--paths=raw,dynamic-asyncio",
+            "--levels=4",
+            "--tiles=8",
+            "--rounds=1",
+            f"--workdir={workdir}",
+            f"--out={out}",
+            "--quiet",
+        ]
+    )
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "report.json" in printed
+    data = json.loads((out / "report.json").read_text())
+    assert data["config"]["quick"] is True
+    assert "--paths=raw,dynamic-asyncio" in data["command"]
+    assert {r["path"] for r in data["throughput"]["rows"]} == {"raw", "dynamic-asyncio"}
+
+
+def test_script_entry_point_rejects_unknown_suite(workdir: Path) -> None:
+    with pytest.raises(ValueError, match="unknown suites"):
+        bench_main(["--suites=nope", f"--workdir={workdir}"], prog="bench-test")
