@@ -54,6 +54,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add("--max-wait-ms", type=float, default=5.0, help="longest a tile waits for a batch")
     add("--max-queue", type=int, default=1024, help="requests admitted per mode; more get 503")
     add("--max-body-mb", type=float, default=64.0, help="larger request bodies get 413")
+    add(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds a request may wait for its forward pass before 503 (default: no limit)",
+    )
     add("--retry-after", type=int, default=1, help="seconds in Retry-After on 503")
     add("--graceful-timeout", type=float, default=30.0, help="seconds in-flight requests get")
     add("--no-warmup", action="store_true", help="report ready without a warm-up pass")
@@ -89,6 +95,7 @@ def model_sources(args: argparse.Namespace) -> dict[str, ClientSource]:
             max_batch_size=args.max_batch_size,
             max_wait_ms=args.max_wait_ms,
             max_queue=args.max_queue,
+            request_timeout=args.request_timeout,
             overload="reject",  # the server answers 503 at once rather than queueing forever
         )
     return sources
