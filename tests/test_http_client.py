@@ -160,7 +160,9 @@ async def test_async_calls_and_the_session_parameter(server, reference):
     counter = Counter()
     async with HttpClient(server.base_url) as client:
         assert outputs_close(await client.predict_with_embedding_async(body), expected)
-        async with httpx.AsyncClient(event_hooks={"request": [counter]}) as session:
+        # The session's own 1 µs timeout would fail every request: HttpClient's applies.
+        hooks = {"request": [counter]}
+        async with httpx.AsyncClient(timeout=1e-6, event_hooks=hooks) as session:
             got = await client.predict_with_embedding_async(body, session=session)
             assert outputs_close(got, expected)
             assert counter.n == 1  # sent through the caller's session

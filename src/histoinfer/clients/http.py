@@ -103,8 +103,9 @@ class HttpClient:
         self.retries = retries
         self.backoff = backoff
         self.max_backoff = max_backoff
+        self._timeout = httpx.Timeout(timeout)
         self._options: dict[str, Any] = {
-            "timeout": httpx.Timeout(timeout),
+            "timeout": self._timeout,
             "limits": httpx.Limits(
                 max_connections=max_connections, max_keepalive_connections=max_connections
             ),
@@ -240,7 +241,9 @@ class HttpClient:
         attempt = _Attempt(self, method, url)
         while True:
             try:
-                response = client.request(method, url, content=content, headers=headers)
+                response = client.request(
+                    method, url, content=content, headers=headers, timeout=self._timeout
+                )
             except httpx.HTTPError as exc:
                 delay = attempt.failed(exc)
             except RuntimeError as exc:  # httpx: "the client has been closed"
@@ -263,7 +266,9 @@ class HttpClient:
         attempt = _Attempt(self, method, url)
         while True:
             try:
-                response = await client.request(method, url, content=content, headers=headers)
+                response = await client.request(
+                    method, url, content=content, headers=headers, timeout=self._timeout
+                )
             except httpx.HTTPError as exc:
                 delay = attempt.failed(exc)
             except RuntimeError as exc:
