@@ -308,3 +308,23 @@ async def test_a_closed_client_refuses_every_call(server):
     with pytest.raises(ClientClosedError):
         sync_client.embed(make_body(0))
     client.close()  # closing twice is fine
+
+
+def test_a_body_over_the_limit_is_refused_with_413_over_a_real_socket(tiny_model):
+    app = create_app(InProcessClient(tiny_model, overload="reject"), max_body_bytes=256 * 1024)
+    big = make_body(0, slide_name="s" * (4 * 1024 * 1024))
+    counter = Counter()
+    with thread_server(app) as small, HttpClient(small.base_url, retries=2) as client:
+        with pytest.raises(InvalidRequestError, match="262144"):
+            client.predict(big)
+        with pytest.raises(InvalidRequestError, match="262144"):
+            client.embed_batch([make_body(1), big])
+
+        async def through_session() -> None:
+            async with httpx.AsyncClient(event_hooks={"request": [counter]}) as session:
+                with pytest.raises(InvalidRequestError, match="262144"):
+                    await client.embed_async(big, session=session)
+
+        anyio.run(through_session)
+        assert counter.n == 1  # a 413 is final: not retried
+        assert json.loads(client.embed(make_body(2)))["patch_idx"] == 2
