@@ -9,6 +9,7 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -180,6 +181,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("histoinfer: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # `histoinfer metadata ... | head`: the reader left; that is not an error of ours.
+        # Point stdout at devnull so the interpreter's final flush does not complain either.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (CommandError, InferenceError, OSError, ValueError) as exc:
         if args.debug:
             raise
