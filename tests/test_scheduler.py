@@ -402,6 +402,41 @@ async def test_aclose_finishes_queued_work_then_refuses() -> None:
     assert 9 not in fn.seen() and 10 not in fn.seen()
 
 
+async def test_aclose_while_the_runner_waits_for_an_announced_item() -> None:
+    """The stream ends while the runner is waiting for company: what it holds still runs."""
+    fn = HeldBatchFn(held=False)
+    sched = BatchScheduler(fn, max_batch_size=8, max_wait_ms=10_000)
+    results: dict[int, Any] = {}
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg, sched.reserve() as slot:
+            spawn_submit(tg, sched.submit, 1, results)
+            await wait_until(lambda: sched.queue_depth == 1)
+            await sched.aclose()
+            with pytest.raises(ClientClosedError):
+                await slot.submit(2)
+    assert results == {1: 10}
+    assert fn.batches == [[1]]
+
+
+async def test_close_soon_from_another_thread_ends_the_runner() -> None:
+    exits: list[int] = []
+    results: dict[int, Any] = {}
+    with HeldBatchFn() as fn, anyio.fail_after(10):
+        sched = BatchScheduler(fn, max_batch_size=8, on_exit=lambda: exits.append(1))
+        async with anyio.create_task_group() as tg:
+            spawn_submit(tg, sched.submit, 1, results)
+            await wait_until(lambda: fn.calls == 1)
+            spawn_submit(tg, sched.submit, 2, results)
+            await wait_until(lambda: sched.queue_depth == 1)
+            await anyio.to_thread.run_sync(sched.close_soon)
+            with pytest.raises(ClientClosedError):
+                await sched.submit(3)
+            fn.release_all()
+        await wait_until(lambda: exits == [1])  # queued work done, then the runner ended
+    assert results == {1: 10, 2: 20}
+    BatchScheduler(fn).close_soon()  # never started: nothing to wait for
+
+
 async def test_aclose_of_an_unused_scheduler() -> None:
     sched = BatchScheduler(HeldBatchFn(held=False))
     with anyio.fail_after(5):

@@ -1,6 +1,6 @@
 """Dynamic batching: a scheduler per event loop, knowing nothing of models or transports."""
 
-from .perloop import PerLoop, current_loop_key
+from .perloop import PerLoop, call_soon_in_loop, current_loop_key
 from .scheduler import BatchScheduler, Reservation
 from .stats import BatchStats, StatsSnapshot
 
@@ -10,5 +10,6 @@ __all__ = [
     "PerLoop",
     "Reservation",
     "StatsSnapshot",
+    "call_soon_in_loop",
     "current_loop_key",
 ]

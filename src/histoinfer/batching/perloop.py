@@ -17,7 +17,7 @@ from typing import Generic, TypeVar
 
 import anyio.lowlevel
 
-__all__ = ["PerLoop", "current_loop_key"]
+__all__ = ["PerLoop", "call_soon_in_loop", "current_loop_key"]
 
 V = TypeVar("V")
 
@@ -40,6 +40,21 @@ def _loop_finished(key: object) -> bool:
     return False
 
 
+def call_soon_in_loop(key: object, fn: Callable[[], object]) -> bool:
+    """Schedule ``fn()`` in the loop ``key`` from any thread, without waiting; False if that
+    loop has ended. (``anyio.from_thread`` blocks, and deadlocks when called from the loop's own
+    thread; this never blocks.)
+    """
+    try:
+        if isinstance(key, asyncio.AbstractEventLoop):
+            key.call_soon_threadsafe(fn)
+        else:
+            key.run_sync_soon(fn)  # type: ignore[attr-defined]
+    except Exception:  # RuntimeError (asyncio loop closed), trio.RunFinishedError
+        return False
+    return True
+
+
 class PerLoop(Generic[V]):
     """A value per event loop, made by ``factory(key)`` on first use in that loop."""
 
@@ -57,9 +72,18 @@ class PerLoop(Generic[V]):
                 value = self._values[key] = self._factory(key)
             return value
 
-    def discard(self, key: object) -> None:
+    def discard(self, key: object, value: V | None = None) -> None:
+        """Forget ``key``'s value (only if it is still ``value``, when given)."""
         with self._lock:
-            self._values.pop(key, None)
+            if value is None or self._values.get(key) is value:
+                self._values.pop(key, None)
+
+    def clear(self) -> list[V]:
+        """Forget every value, and return them (e.g. to close them)."""
+        with self._lock:
+            values = list(self._values.values())
+            self._values.clear()
+            return values
 
     def values(self) -> list[V]:
         with self._lock:

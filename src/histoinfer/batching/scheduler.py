@@ -45,7 +45,7 @@ import sniffio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ..errors import ClientClosedError, DeadlineExceededError, InferenceError, OverloadedError
-from .perloop import current_loop_key
+from .perloop import call_soon_in_loop, current_loop_key
 from .stats import BatchStats
 
 __all__ = ["BatchScheduler", "Reservation"]
@@ -193,6 +193,20 @@ class BatchScheduler(Generic[T, R]):
             if self._loop is not current_loop_key():
                 raise RuntimeError(f"{self.name}: aclose() must run in the scheduler's own loop")
             await self._finished.wait()
+
+    def close_soon(self) -> None:
+        """:meth:`aclose` without the wait, callable from any thread: refuse new items; the
+        runner finishes the queued ones, then ends (in its own loop, which must be left to run).
+        """
+        self._closing = True
+        loop = self._loop
+        if loop is None:  # never started: nobody waits on the streams
+            self._send.close()
+            self._receive.close()
+        else:
+            # The stream belongs to the runner's loop: close it there. False: that loop ended,
+            # and the runner with it.
+            call_soon_in_loop(loop, self._send.close)
 
     @property
     def queue_depth(self) -> int:
@@ -366,7 +380,7 @@ class BatchScheduler(Generic[T, R]):
                 if first.state == _QUEUED:
                     batch.append(first)
                     break
-        except anyio.EndOfStream:
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
             return False
         deadline = first.enqueued_at + self.max_wait
         limit = self.max_batch_size
@@ -388,15 +402,23 @@ class BatchScheduler(Generic[T, R]):
                     break
                 got: _Pending[T, R] | None = None
                 with anyio.move_on_after(remaining):
-                    got = await receive.receive()
-                if got is None:
+                    got = await self._receive_or_none()
+                if got is None:  # the window is over, or the stream ended: dispatch
                     break
                 item = got
-            except anyio.EndOfStream:
-                return True
+            except (anyio.EndOfStream, anyio.ClosedResourceError):
+                break
             if item.state == _QUEUED:
                 batch.append(item)
         return True
+
+    async def _receive_or_none(self) -> _Pending[T, R] | None:
+        # Its own try: an end of stream raised inside _collect's `except WouldBlock` handler
+        # would not be caught by that try's other handlers, and would fail the batch.
+        try:
+            return await self._receive.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            return None
 
     async def _dispatch(self, batch: list[_Pending[T, R]]) -> None:
         live = [p for p in batch if p.state == _QUEUED]

@@ -8,10 +8,17 @@ One request's path, top to bottom:
                     -> postprocess + JSON       [caller]                  (_finish)
 
 The microservice runs this same client, so in-process and remote behave the same by construction.
+
+Lifetimes: the per-loop state and its schedulers never reference the client (only a weak
+reference and the model itself), so a client dropped without ``close()`` is collected; a
+finalizer then closes its schedulers in their loops and stops its portal thread. Otherwise the
+only thing keeping an idle runner task alive would be a reference cycle through the client, and
+the garbage collector would destroy it mid-await ("Task was destroyed but it is pending!").
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -59,39 +66,71 @@ def device_lock(device: torch.device) -> threading.Lock:
         return _DEVICE_LOCKS.setdefault(str(device), threading.Lock())
 
 
+def _forward(
+    model: ServerModel, lock: threading.Lock, tiles: list[torch.Tensor], mode: Mode
+) -> list[SampleOutput]:
+    """Stack, run on the device (one pass at a time per device), split per sample.
+
+    A function of the model, not a method of the client: schedulers hold it for their loop's
+    lifetime, and must not keep the client alive.
+    """
+    batch = torch.stack(tiles)
+    with lock:
+        output = model.forward_batch(batch, mode)
+    samples = output.split()
+    if len(samples) != len(tiles):
+        raise RuntimeError(f"forward_batch returned {len(samples)} rows for {len(tiles)} tiles")
+    return samples
+
+
 class _LoopState:
     """What one event loop needs: its schedulers (one per mode) and its thread limiters.
 
     asyncio primitives bind to the first loop that waits on them, so nothing here is shared
-    between loops; only thread-safe things (the device lock, the stats) are.
+    between loops; only thread-safe things (the device lock, the stats) are. It holds the
+    client weakly (see the module docstring).
     """
 
-    def __init__(self, client: InProcessClient, key: object) -> None:
-        self.prepare_limiter = anyio.CapacityLimiter(client.prepare_threads)
+    def __init__(self, client: weakref.ref[InProcessClient], key: object) -> None:
+        owner = client()
+        if owner is None:  # pragma: no cover - a call in flight holds the client
+            raise ClientClosedError("the client was garbage-collected")
+        self.prepare_limiter = anyio.CapacityLimiter(owner.prepare_threads)
         self.forward_limiter = anyio.CapacityLimiter(1)
         self.schedulers: dict[Mode, BatchScheduler[torch.Tensor, SampleOutput]] = {}
-        self._client = weakref.ref(client)
+        self._client = client
         self._key = key
 
     def scheduler(self, mode: Mode) -> BatchScheduler[torch.Tensor, SampleOutput]:
         scheduler = self.schedulers.get(mode)
         if scheduler is None:
             client = self._client()
-            if client is None:  # pragma: no cover
+            if client is None:  # pragma: no cover - a call in flight holds the client
                 raise ClientClosedError("the client was garbage-collected")
-            loops = client._loops
-            key = self._key
+            loops, key = client._loops, self._key
             scheduler = self.schedulers[mode] = BatchScheduler(
-                partial(client._forward, mode=mode),
+                partial(_forward, client.server_model, client._device_lock, mode=mode),
                 max_batch_size=client.max_batch_size,
                 max_wait_ms=client.max_wait_ms,
                 max_queue=client.max_queue,
                 limiter=self.forward_limiter,
                 stats=client._stats[mode],
                 name=f"{client._model_name}:{mode}",
-                on_exit=lambda: loops.discard(key),
+                on_exit=partial(loops.discard, key, self),
             )
         return scheduler
+
+    def close_soon(self) -> None:
+        """Let each scheduler finish its queue and end, in this state's loop; any thread."""
+        for scheduler in list(self.schedulers.values()):
+            scheduler.close_soon()
+
+
+def _close_loop_states(loops: PerLoop[_LoopState]) -> None:
+    """Forget every loop's state and end its schedulers (on close, or when the client is
+    dropped: this is also the client's finalizer, so it must not reference the client)."""
+    for state in loops.clear():
+        state.close_soon()
 
 
 class InProcessClient:
@@ -142,7 +181,10 @@ class InProcessClient:
         self._model_name = server_model.metadata().name
         self._device_lock = device_lock(server_model.device)
         self._stats = {mode: BatchStats() for mode in MODES}
-        self._loops: PerLoop[_LoopState] = PerLoop(partial(_LoopState, self))
+        self._loops: PerLoop[_LoopState] = PerLoop(partial(_LoopState, weakref.ref(self)))
+        # Dropped without close(): end the runner tasks in their loops rather than leave them
+        # to the garbage collector. Holds the loops, which hold nothing of the client.
+        weakref.finalize(self, _close_loop_states, self._loops)
         self._closed = False
         self._active = 0
         self._idle = threading.Condition()
@@ -232,8 +274,11 @@ class InProcessClient:
         return self._closed
 
     def close(self) -> None:
-        """Finish the work in flight, refuse new calls, and release the portal thread."""
-        self._closed = True
+        """Finish the work in flight, refuse new calls, and release the portal thread.
+
+        Every loop's schedulers end once the last call in flight is done.
+        """
+        self._mark_closed()
         if _running_loop_here():
             # Waiting here would block the very loop whose requests we wait for (a notebook
             # cell): those finish on their own; we only refuse new ones.
@@ -243,7 +288,7 @@ class InProcessClient:
         self._stop_portal()
 
     async def aclose(self) -> None:
-        self._closed = True
+        self._mark_closed()
         # Wait in a thread: this loop must keep running its own in-flight requests meanwhile.
         await anyio.to_thread.run_sync(self._wait_idle)
         await anyio.to_thread.run_sync(self._stop_portal)
@@ -287,16 +332,6 @@ class InProcessClient:
         self.server_model.check_request(request, mode, where)
         return request, self.server_model.prepare_sample(request, where)
 
-    def _forward(self, tiles: list[torch.Tensor], mode: Mode) -> list[SampleOutput]:
-        """Stack, run on the device (one pass at a time per device), split per sample."""
-        batch = torch.stack(tiles)
-        with self._device_lock:
-            output = self.server_model.forward_batch(batch, mode)
-        samples = output.split()
-        if len(samples) != len(tiles):
-            raise RuntimeError(f"forward_batch returned {len(samples)} rows for {len(tiles)} tiles")
-        return samples
-
     def _finish(self, request: ModelRequest, output: SampleOutput, mode: Mode) -> str:
         return self.server_model.postprocess(request, output, mode).model_dump_json()
 
@@ -324,7 +359,12 @@ class InProcessClient:
                 started = time.perf_counter()
                 try:
                     [output] = await anyio.to_thread.run_sync(
-                        self._forward, [tile], mode, limiter=state.forward_limiter
+                        _forward,
+                        self.server_model,
+                        self._device_lock,
+                        [tile],
+                        mode,
+                        limiter=state.forward_limiter,
                     )
                 except Exception as exc:
                     self._stats[mode].record_error(type(exc).__name__)
@@ -371,7 +411,9 @@ class InProcessClient:
         stats = self._stats[mode]
         started = time.perf_counter()
         try:
-            outputs = self._forward([tile for _, tile in chunk], mode)
+            outputs = _forward(
+                self.server_model, self._device_lock, [tile for _, tile in chunk], mode
+            )
         except Exception as exc:
             stats.record_error(type(exc).__name__)
             raise self._isolate_failures(chunk, mode, offset, exc) from exc
@@ -385,7 +427,7 @@ class InProcessClient:
         failing = []
         for i, (request, tile) in enumerate(chunk):
             try:
-                self._forward([tile], mode)
+                _forward(self.server_model, self._device_lock, [tile], mode)
             except Exception as single:
                 failing.append(f"batch position {offset + i} ({request.where()}): {single!r}")
         if not failing:
@@ -401,14 +443,20 @@ class InProcessClient:
         if getattr(_anyio_threadlocals, "current_token", None) is not None:
             # In an anyio worker thread: run in the host loop, and batch with it.
             return anyio.from_thread.run(fn, body)
-        if self._closed:
-            raise ClientClosedError("the client is closed")
         # Any other thread (a plain thread, or one whose loop is running, like a notebook
         # cell): the client's own portal. Sync calls from many threads batch together there.
-        return self._get_portal().call(fn, body)
+        portal = self._get_portal()
+        try:
+            return portal.call(fn, body)
+        except RuntimeError:
+            if self._closed:  # the portal stopped under us: close() won the race
+                raise ClientClosedError("the client is closed") from None
+            raise
 
     def _get_portal(self) -> PortalThread:
         with self._portal_lock:
+            if self._closed:  # never start a portal for a closed client
+                raise ClientClosedError("the client is closed")
             if self._portal is None:
                 self._portal = PortalThread(name=f"histoinfer-portal-{self._model_name}")
                 # Stops the portal if the client is dropped, or at interpreter exit.
@@ -430,8 +478,18 @@ class InProcessClient:
     def _exit(self) -> None:
         with self._idle:
             self._active -= 1
-            if self._active == 0:
+            idle = self._active == 0
+            if idle:
                 self._idle.notify_all()
+        if idle and self._closed:  # the last call in flight after close(): end the schedulers
+            _close_loop_states(self._loops)
+
+    def _mark_closed(self) -> None:
+        with self._idle:
+            self._closed = True
+            idle = self._active == 0
+        if idle:
+            _close_loop_states(self._loops)
 
     def _wait_idle(self) -> None:
         with self._idle:
@@ -439,6 +497,12 @@ class InProcessClient:
 
 
 def _running_loop_here() -> bool:
+    """Is an event loop running on this thread (also outside a task, e.g. in a callback)?"""
+    try:
+        asyncio.get_running_loop()
+        return True
+    except RuntimeError:
+        pass
     try:
         sniffio.current_async_library()
     except sniffio.AsyncLibraryNotFoundError:

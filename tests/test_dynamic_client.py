@@ -1,0 +1,297 @@
+"""``InProcessClient`` in dynamic mode, on one loop: batching, isolation, cancellation, closing.
+
+Every response is compared with the explicit-mode response to the same body (``expected``).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import random
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import numpy as np
+import pytest
+import torch
+from concurrency_helpers import (
+    body,
+    call,
+    expected,
+    gated_model,
+    hooked_model,
+    mode_of,
+    start_calls,
+    wait_until,
+)
+from helpers import make_body, outputs_close, request_dict
+from PIL import Image
+
+from histoinfer.batching import BatchScheduler
+from histoinfer.clients.inprocess import InProcessClient
+from histoinfer.errors import (
+    ClientClosedError,
+    DeadlineExceededError,
+    InvalidRequestError,
+    ModelExecutionError,
+    OverloadedError,
+)
+from histoinfer.models import ServerModel
+from histoinfer.schema import MODES
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
+
+
+def _settled(client: InProcessClient) -> bool:
+    """Nothing queued, preparing or in flight, in any mode."""
+    return client._active == 0 and all(s.queue_depth == 0 for s in client.stats().values())
+
+
+def _ended(scheduler: BatchScheduler[Any, Any]) -> bool:
+    return scheduler._finished is not None and scheduler._finished.is_set()
+
+
+async def test_300_concurrent_calls_are_batched_and_match_explicit_mode(
+    client: InProcessClient, tiny_model: ServerModel
+) -> None:
+    count = 300
+    want = expected(tiny_model, range(count))
+    got: list[str] = [""] * count
+
+    async def one(i: int) -> None:
+        got[i] = await call(client, i)
+
+    with anyio.fail_after(100):
+        async with anyio.create_task_group() as tg:
+            for i in range(count):
+                tg.start_soon(one, i)
+    mismatched = [i for i in range(count) if not outputs_close(got[i], want[i])]
+    assert mismatched == []
+    stats = client.stats()
+    for mode in MODES:
+        snap = stats[mode]
+        assert snap.samples == count // 3
+        assert snap.mean_batch_size > 4, snap.batch_size_histogram  # well above 1
+        assert max(snap.batch_size_histogram) <= client.max_batch_size
+        assert sum(size * n for size, n in snap.batch_size_histogram.items()) == snap.samples
+        assert snap.batches == sum(snap.batch_size_histogram.values())
+        assert snap.errors == 0 and snap.queue_depth == 0
+        assert 0 < snap.forward_ms["p50"] <= snap.forward_ms["p95"] <= snap.forward_ms["p99"]
+        assert snap.queue_wait_ms["p50"] <= snap.queue_wait_ms["p95"] <= snap.queue_wait_ms["p99"]
+
+
+async def test_a_cancellation_storm_leaves_the_scheduler_healthy(
+    client: InProcessClient, tiny_model: ServerModel
+) -> None:
+    count = 150
+    rng = random.Random(1234)
+    doomed = {i: rng.uniform(0.0, 0.15) for i in range(count) if rng.random() < 0.5}
+    got: dict[int, str] = {}
+    cancelled: list[int] = []
+
+    async def one(i: int) -> None:
+        with anyio.CancelScope() as scope:
+            if i in doomed:
+                scope.deadline = anyio.current_time() + doomed[i]  # a random moment
+            got[i] = await call(client, i)
+        if scope.cancelled_caught:
+            cancelled.append(i)
+
+    with anyio.fail_after(100):
+        async with anyio.create_task_group() as tg:
+            for i in range(count):
+                tg.start_soon(one, i)
+        assert len(cancelled) >= 0.3 * count
+        assert sorted([*got, *cancelled]) == list(range(count))  # nothing lost
+        await wait_until(lambda: _settled(client))
+        for i, answer in zip(got, expected(tiny_model, list(got)), strict=True):
+            assert outputs_close(got[i], answer)
+        # Healthy: nothing left queued or announced, and new calls are batched and right.
+        for scheduler in client._loops.get().schedulers.values():
+            assert scheduler._incoming == 0 and scheduler.queue_depth == 0
+        fresh = list(range(count, count + 30))
+        again: dict[int, str] = {}
+
+        async def fresh_one(i: int) -> None:
+            again[i] = await call(client, i)
+
+        async with anyio.create_task_group() as tg:
+            for i in fresh:
+                tg.start_soon(fresh_one, i)
+    for i, answer in zip(fresh, expected(tiny_model, fresh), strict=True):
+        assert outputs_close(again[i], answer)
+
+
+def _png_b64(pixels: np.ndarray) -> str:
+    buf = io.BytesIO()
+    Image.fromarray(pixels, mode="RGB").save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+_BAD_BODIES = [
+    "this is not JSON",
+    json.dumps({"x": 1}),
+    make_body(1000, image_data="!!! not base64 !!!"),
+    make_body(1001, image_data=base64.b64encode(b"\x89PNG\r\n\x1a\n truncated").decode()),
+    json.dumps({**request_dict(1002), "patch_idx": "seven"}),
+]
+
+
+async def test_bad_requests_fail_alone(client: InProcessClient, tiny_model: ServerModel) -> None:
+    good = list(range(24))
+    results: dict[str, Any] = {}
+
+    async def one(key: str, i: int, text: str | None) -> None:
+        try:
+            results[key] = await call(client, i, text)
+        except Exception as exc:
+            results[key] = exc
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            for i in good:
+                tg.start_soon(one, f"good{i}", i, None)
+                if i < len(_BAD_BODIES):
+                    tg.start_soon(one, f"bad{i}", i, _BAD_BODIES[i])
+    for i in range(len(_BAD_BODIES)):
+        assert isinstance(results[f"bad{i}"], InvalidRequestError), results[f"bad{i}"]
+    for i, answer in zip(good, expected(tiny_model, good), strict=True):
+        assert outputs_close(results[f"good{i}"], answer)
+    # They failed before batching: the scheduler saw only the good ones, and no error.
+    stats = client.stats()
+    assert sum(s.samples for s in stats.values()) == len(good)
+    assert sum(s.errors for s in stats.values()) == 0
+    assert _settled(client)
+
+
+_POISON = 13  # a tile whose every byte is 13 makes the forward pass raise
+
+
+def _raise_on_poison(batch: torch.Tensor) -> None:
+    if bool((batch.reshape(batch.shape[0], -1) == _POISON).all(dim=1).any()):
+        raise RuntimeError("the device choked on a poisoned tile")
+
+
+async def test_a_poisoned_sample_fails_alone_in_its_batch(tiny_model: ServerModel) -> None:
+    model, watch = hooked_model(tiny_model, _raise_on_poison)
+    poisoned = 1000  # not one of the good indices
+    poison_body = make_body(
+        poisoned, image_data=_png_b64(np.full((224, 224, 3), _POISON, dtype=np.uint8))
+    )
+    indices = [i for i in range(24) if mode_of(i) == "predict"] + [poisoned]
+    results: dict[int, Any] = {}
+
+    async def one(i: int) -> None:
+        try:
+            text = poison_body if i == poisoned else body(i)
+            results[i] = await client.predict_async(text)
+        except Exception as exc:
+            results[i] = exc
+
+    with InProcessClient(model, max_batch_size=16, max_wait_ms=50) as client:
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                for i in indices:
+                    tg.start_soon(one, i)
+        snap = client.stats()["predict"]
+    error = results.pop(poisoned)
+    assert isinstance(error, ModelExecutionError)
+    assert f"patch_idx={poisoned}" in str(error) and "poisoned tile" in str(error)
+    good = sorted(results)
+    for i, answer in zip(good, expected(tiny_model, good), strict=True):
+        assert outputs_close(results[i], answer)
+    assert max(watch.sizes) > 1  # it was batched with others, then isolated by bisection
+    assert snap.errors == 1 and snap.error_kinds == {"RuntimeError": 1}
+
+
+async def test_a_request_not_dispatched_in_time_gets_a_deadline_error(
+    tiny_model: ServerModel,
+) -> None:
+    model, watch, gate = gated_model(tiny_model)
+    results: dict[int, Any] = {}
+    with InProcessClient(model, max_batch_size=4, request_timeout=0.2) as client:
+        try:
+            with anyio.fail_after(30):
+                async with anyio.create_task_group() as tg:
+                    start_calls(tg, client, [0], results)
+                    await wait_until(lambda: watch.calls == 1)  # request 0 holds the device
+                    start_calls(tg, client, [3], results)
+                    await wait_until(lambda: 3 in results)
+                    gate.set()
+        finally:
+            gate.set()
+    assert isinstance(results[3], DeadlineExceededError)
+    assert "deadline" in str(results[3])
+    assert outputs_close(results[0], expected(tiny_model, [0])[0])  # dispatched: it completes
+
+
+async def test_overload_reject_mode_answers_overloaded_instead_of_waiting(
+    tiny_model: ServerModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    model, watch, gate = gated_model(tiny_model)
+    results: dict[int, Any] = {}
+    client = InProcessClient(model, max_batch_size=4, max_queue=2, overload="reject")
+    try:
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                start_calls(tg, client, [0], results)
+                await wait_until(lambda: watch.calls == 1)
+                start_calls(tg, client, [3], results)
+                await wait_until(lambda: client._active == 2)
+                with pytest.raises(OverloadedError):
+                    await client.predict_async(body(6))
+                gate.set()
+    finally:
+        gate.set()
+        await client.aclose()
+    assert "max_queue=2 is below max_batch_size=4" in caplog.text
+    want = expected(tiny_model, [0, 3])
+    assert outputs_close(results[0], want[0]) and outputs_close(results[3], want[1])
+
+
+async def test_aclose_finishes_in_flight_work_then_refuses(tiny_model: ServerModel) -> None:
+    client = InProcessClient(tiny_model, max_batch_size=8)
+    indices = list(range(40))
+    results: dict[int, Any] = {}
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            start_calls(tg, client, indices, results)
+            await wait_until(lambda: client._active == len(indices))
+            schedulers = list(client._loops.get().schedulers.values())
+            await client.aclose()
+            assert len(results) == len(indices)  # aclose returned after all of them
+        with pytest.raises(ClientClosedError):
+            await client.predict_async(body(0))
+        # This loop lives on, but the client's runner tasks in it have ended.
+        await wait_until(lambda: all(_ended(s) for s in schedulers))
+        assert client._loops._values == {}
+    with pytest.raises(ClientClosedError):
+        client.predict(body(0))
+    with pytest.raises(ClientClosedError):
+        client.predict_batch([body(0)])
+    for i, answer in zip(indices, expected(tiny_model, indices), strict=True):
+        assert outputs_close(results[i], answer)
+
+
+@pytest.mark.parametrize("where", ["worker thread", "loop thread"])
+async def test_sync_close_during_async_calls(tiny_model: ServerModel, where: str) -> None:
+    """From a worker thread close() waits; on the loop's own thread it must not (deadlock)."""
+    client = InProcessClient(tiny_model, max_batch_size=8)
+    indices = list(range(12))
+    results: dict[int, Any] = {}
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            start_calls(tg, client, indices, results)
+            await wait_until(lambda: client._active == len(indices))
+            if where == "worker thread":
+                await anyio.to_thread.run_sync(client.close)
+                assert len(results) == len(indices)
+            else:
+                client.close()
+            assert client.closed
+            with pytest.raises(ClientClosedError):
+                await client.predict_async(body(0))
+    for i, answer in zip(indices, expected(tiny_model, indices), strict=True):
+        assert outputs_close(results[i], answer)

@@ -1,0 +1,247 @@
+"""The sync methods: portal calls from plain threads batch together, calls from anyio worker
+threads use their host loop, a call on a running loop's thread works, and nothing hangs at exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import weakref
+from functools import partial
+from pathlib import Path
+
+import anyio
+import anyio.to_thread
+import pytest
+from concurrency_helpers import (
+    body,
+    call,
+    expected,
+    join_threads,
+    start_threads,
+    wait_until,
+)
+from helpers import outputs_close
+
+from histoinfer.clients.inprocess import InProcessClient
+from histoinfer.errors import ClientClosedError
+from histoinfer.models import ServerModel
+
+TESTS = Path(__file__).parent
+
+
+def _predict_indices(count: int) -> list[int]:
+    return [3 * k for k in range(count)]  # mode_of(3k) == "predict"
+
+
+@pytest.mark.timeout(120)
+def test_sixteen_threads_calling_sync_predict_are_batched_together(
+    client: InProcessClient, tiny_model: ServerModel
+) -> None:
+    indices = _predict_indices(64)
+    want = dict(zip(indices, expected(tiny_model, indices), strict=True))
+    got: dict[int, str] = {}
+    start = threading.Barrier(16, timeout=30)
+
+    def worker(mine: list[int]) -> None:
+        start.wait()
+        for i in mine:
+            got[i] = client.predict(body(i))
+
+    threads, errors = start_threads([partial(worker, indices[t::16]) for t in range(16)])
+    join_threads(threads, 90)
+    assert errors == []
+    assert [i for i in indices if not outputs_close(got[i], want[i])] == []
+    snap = client.stats()["predict"]
+    assert snap.samples == len(indices)
+    assert snap.mean_batch_size > 1.5, snap.batch_size_histogram  # batched in the portal loop
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_a_sync_call_on_a_running_loops_thread_works(
+    client: InProcessClient, tiny_model: ServerModel
+) -> None:
+    """A notebook cell: predict() on the very thread whose loop has async calls in flight."""
+    indices = list(range(9))
+    got: dict[int, str] = {}
+
+    async def one(i: int) -> None:
+        got[i] = await call(client, i)
+
+    with anyio.fail_after(50):
+        async with anyio.create_task_group() as tg:
+            for i in indices[1:]:
+                tg.start_soon(one, i)
+            await wait_until(lambda: client._active == len(indices) - 1)
+            got[0] = client.predict(body(0))  # blocks this loop; must not deadlock
+    assert [i for i, a in zip(indices, expected(tiny_model, indices), strict=True)
+            if not outputs_close(got[i], a)] == []  # fmt: skip
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_a_sync_call_in_a_worker_thread_batches_with_its_host_loop(
+    client: InProcessClient, tiny_model: ServerModel
+) -> None:
+    sync_indices = _predict_indices(8)
+    async_indices = [i + 300 for i in _predict_indices(8)]
+    got: dict[int, str] = {}
+
+    async def sync_in_thread(i: int) -> None:
+        got[i] = await anyio.to_thread.run_sync(client.predict, body(i))
+
+    async def direct(i: int) -> None:
+        got[i] = await call(client, i)
+
+    with anyio.fail_after(50):
+        async with anyio.create_task_group() as tg:
+            for i in sync_indices:
+                tg.start_soon(sync_in_thread, i)
+            for i in async_indices:
+                tg.start_soon(direct, i)
+    indices = sync_indices + async_indices
+    assert [i for i, a in zip(indices, expected(tiny_model, indices), strict=True)
+            if not outputs_close(got[i], a)] == []  # fmt: skip
+    assert client._portal is None  # all went through this loop, none through the portal
+    snap = client.stats()["predict"]
+    assert snap.samples == len(indices) and snap.batches < len(indices)
+
+
+@pytest.mark.timeout(90)
+def test_close_lets_sync_calls_in_flight_finish_then_refuses(tiny_model: ServerModel) -> None:
+    client = InProcessClient(tiny_model, max_batch_size=8)
+    indices = _predict_indices(24)
+    got: dict[int, str] = {}
+    refused: list[BaseException] = []
+    start = threading.Barrier(9, timeout=30)
+
+    def worker(mine: list[int]) -> None:
+        start.wait()
+        for i in mine:
+            try:
+                got[i] = client.predict(body(i))
+            except ClientClosedError as exc:
+                refused.append(exc)
+
+    threads, errors = start_threads([partial(worker, indices[t::8]) for t in range(8)])
+    start.wait()
+    deadline = time.monotonic() + 30
+    while client._active == 0 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    portal_thread = client._portal.thread if client._portal is not None else None
+    client.close()
+    assert client._active == 0  # close() returned only once nothing was in flight
+    join_threads(threads, 60)
+    assert errors == []
+    assert len(got) + len(refused) == len(indices) and got  # each either answered or refused
+    want = dict(zip(indices, expected(tiny_model, indices), strict=True))
+    assert [i for i in got if not outputs_close(got[i], want[i])] == []
+    with pytest.raises(ClientClosedError):
+        client.predict(body(0))
+    assert portal_thread is not None and not portal_thread.is_alive()
+    assert client._portal is None  # a refused call did not start a new portal
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_sync_calls_after_close_are_refused_from_any_thread(
+    tiny_model: ServerModel,
+) -> None:
+    client = InProcessClient(tiny_model)
+    await client.aclose()
+    with anyio.fail_after(20):
+        with pytest.raises(ClientClosedError):
+            await anyio.to_thread.run_sync(client.predict, body(0))
+        with pytest.raises(ClientClosedError):
+            client.embed(body(1))
+    assert client._portal is None
+
+
+@pytest.mark.timeout(60)
+def test_a_dropped_client_ends_its_runners_and_its_portal(
+    tiny_model: ServerModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Never closed, just dropped: the loops outlive it, and must not be left with runner tasks
+    that only the garbage collector can end ("Task was destroyed but it is pending!").
+    """
+    client = InProcessClient(tiny_model)
+    client.predict(body(0))  # the portal loop gets a scheduler
+    assert client._portal is not None
+    portal_thread = client._portal.thread
+    client_ref = weakref.ref(client)
+    used, dropped = threading.Event(), threading.Event()
+    outcome: list[bool] = []
+
+    async def outliving_loop() -> None:
+        own = client_ref()
+        assert own is not None
+        await own.predict_async(body(3))
+        finished = [s._finished for s in own._loops.get().schedulers.values()]
+        del own
+        used.set()
+        await anyio.to_thread.run_sync(dropped.wait, 20)
+        with anyio.move_on_after(20):
+            while not all(f is not None and f.is_set() for f in finished):
+                await anyio.sleep(0.01)
+        outcome.append(all(f is not None and f.is_set() for f in finished))
+
+    loop_thread = threading.Thread(target=asyncio.run, args=(outliving_loop(),))
+    loop_thread.start()
+    assert used.wait(30)
+    del client
+    gc.collect()
+    assert client_ref() is None  # nothing but the caller kept it alive
+    dropped.set()
+    loop_thread.join(30)
+    portal_thread.join(20)
+    assert outcome == [True]  # its runner ended while its loop still ran
+    assert not portal_thread.is_alive()
+    assert "Task was destroyed" not in caplog.text
+
+
+_EXIT_SCRIPT = """
+import asyncio, sys, threading
+sys.path.insert(0, {tests!r})
+import trio
+from helpers import make_body
+from histoinfer.clients.inprocess import InProcessClient
+
+client = InProcessClient.from_checkpoint("h1", {checkpoint!r})
+assert '"patch_idx":0' in client.predict(make_body(0)).replace(" ", "")
+
+async def one(i):
+    return await client.predict_async(make_body(i))
+
+assert '"patch_idx":1' in asyncio.run(one(1)).replace(" ", "")
+assert '"patch_idx":2' in trio.run(one, 2).replace(" ", "")
+
+def forever():  # a daemon thread still calling when the interpreter exits
+    while True:
+        try:
+            client.predict(make_body(3))
+        except Exception:
+            return
+
+threading.Thread(target=forever, daemon=True).start()
+print("done", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_the_process_exits_without_close(tiny_checkpoint: Path) -> None:
+    script = _EXIT_SCRIPT.format(tests=str(TESTS), checkpoint=str(tiny_checkpoint))
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "done"
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
