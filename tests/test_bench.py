@@ -65,6 +65,9 @@ def test_parse_metrics_sums_over_labels() -> None:
         ]
     )
     assert parse_metrics(text) == {"batches": 3.0, "samples": 100.0, "forward_s": 0.5}
+    busy = 'histoinfer_forward_busy_seconds_total{model="h1",mode="predict"} 2.25'
+    created = 'histoinfer_forward_busy_seconds_created{model="h1",mode="predict"} 1.7e9'
+    assert parse_metrics("\n".join([text, busy, created]))["forward_s"] == 2.25
 
 
 def test_classify_stack() -> None:

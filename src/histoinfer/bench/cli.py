@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -136,9 +137,11 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
 
+    started = time.monotonic()
+
     def log(line: str) -> None:
         if not args.quiet:
-            print(line, file=sys.stderr, flush=True)
+            print(f"{time.monotonic() - started:6.1f}s {line}", file=sys.stderr, flush=True)
 
     command = _canonical_command(args, getattr(args, "_prog", "histoinfer bench"))
     report = run_bench(cfg, log, command)

@@ -155,10 +155,13 @@ def parse_metrics(text: str) -> dict[str, float]:
     """Prometheus text -> the counters the harness uses: batches, samples, forward seconds.
 
     Best effort, by name: a histogram or summary whose name mentions ``batch_size`` gives
-    batches (``_count``) and samples (``_sum``); one that mentions ``forward`` gives the
-    forward seconds (``_sum``). Sums over labels (modes). Missing ones are simply absent.
+    batches (``_count``) and samples (``_sum``); a ``forward_busy`` counter (or else a
+    ``forward`` histogram's ``_sum``) gives the forward seconds. Sums over labels (modes).
+    Missing ones are simply absent.
     """
     found: dict[str, float] = {}
+    forward_sum = 0.0
+    has_forward_sum = False
     for line in text.splitlines():
         if line.startswith("#"):
             continue
@@ -171,8 +174,13 @@ def parse_metrics(text: str) -> dict[str, float]:
             key = "batches"
         elif "batch_size" in name and name.endswith("_sum"):
             key = "samples"
-        elif "forward" in name and name.endswith("_sum"):
+        elif "forward_busy" in name and not name.endswith("_created"):
             key = "forward_s"
+        elif "forward" in name and name.endswith("_sum"):
+            forward_sum += value
+            has_forward_sum = True
         if key is not None:
             found[key] = found.get(key, 0.0) + value
+    if "forward_s" not in found and has_forward_sum:
+        found["forward_s"] = forward_sum
     return found

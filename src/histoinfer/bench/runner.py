@@ -77,13 +77,13 @@ class BenchConfig:
 def quick_config(**overrides: Any) -> BenchConfig:
     """``--quick``: the same suites, fewer levels, tiles and rounds (well under 2 minutes)."""
     base = BenchConfig(
-        levels=(1, 64, 512),
+        levels=(1, 512),
         tiles=256,
-        min_tiles=48,
+        min_tiles=32,
         rounds=3,
-        overhead_levels=(1, 512),
+        overhead_levels=(512,),
         overhead_requests=6_000,
-        lone_calls=30,
+        lone_calls=20,
         small_tiles=128,
         small_rounds=2,
         quick=True,
