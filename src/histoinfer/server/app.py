@@ -372,9 +372,10 @@ def create_app(
 
         Concurrent requests are batched dynamically; a full queue answers 503 at once.
         """
-        checked = _mode(mode)
-        client = state.client(model)
+        # The body is read first even when the answer is an error: a client still writing it
+        # would otherwise see the connection reset instead of the answer.
         body = await read_body(request, state.max_body_bytes)
+        checked, client = _mode(mode), state.client(model)
         return _json(await client.infer_async(body, checked))
 
     @app.post(
@@ -392,9 +393,8 @@ def create_app(
 
         Answers a JSON list, or one response per line if the request accepts NDJSON.
         """
-        checked = _mode(mode)
-        client = state.client(model)
         raw = await read_body(request, state.max_body_bytes)
+        checked, client = _mode(mode), state.client(model)
         verbatim = request.headers.get("content-type", "").startswith(BATCH_BODIES_JSON)
         bodies = _batch_bodies(raw, verbatim)
         responses = await anyio.to_thread.run_sync(client.infer_batch, bodies, checked)
