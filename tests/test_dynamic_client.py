@@ -206,12 +206,14 @@ async def test_a_poisoned_sample_fails_alone_in_its_batch(tiny_model: ServerMode
     assert snap.errors == 1 and snap.error_kinds == {"RuntimeError": 1}
 
 
+@pytest.mark.parametrize("max_queue", [4096, 1], ids=["queued", "waiting-for-room"])
 async def test_a_request_not_dispatched_in_time_gets_a_deadline_error(
-    tiny_model: ServerModel,
+    tiny_model: ServerModel, max_queue: int
 ) -> None:
     model, watch, gate = gated_model(tiny_model)
     results: dict[int, Any] = {}
-    with InProcessClient(model, max_batch_size=4, request_timeout=0.2) as client:
+    client = InProcessClient(model, max_batch_size=4, max_queue=max_queue, request_timeout=0.2)
+    with client:
         try:
             with anyio.fail_after(30):
                 async with anyio.create_task_group() as tg:

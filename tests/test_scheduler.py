@@ -368,6 +368,32 @@ async def test_a_request_not_dispatched_by_its_deadline_fails_clearly() -> None:
     assert snap.error_kinds == {"deadline": 1} and snap.queue_depth == 0
 
 
+async def test_the_deadline_also_bounds_the_wait_for_room() -> None:
+    """Backpressure must not hold a caller past its deadline: it is not dispatched in time."""
+    results: dict[int, Any] = {}
+    with HeldBatchFn() as fn, anyio.fail_after(10):
+        sched = BatchScheduler(fn, max_batch_size=1, max_queue=1)
+        async with anyio.create_task_group() as tg:
+            spawn_submit(tg, sched.submit, 1, results)
+            await wait_until(lambda: fn.calls == 1)  # item 1 holds the only place
+            with pytest.raises(DeadlineExceededError, match="deadline"):
+                await sched.submit(2, timeout=0.05)
+            with pytest.raises(DeadlineExceededError, match="deadline"):
+                async with sched.reserve(timeout=0.05):
+                    pass
+            fn.release_all()
+        async with sched.reserve(timeout=0.05) as slot:  # room now; the deadline carries over
+            await anyio.sleep(0.1)  # preparation outlives it
+            with pytest.raises(DeadlineExceededError):
+                await slot.submit(3)
+        async with sched.reserve(timeout=30) as slot:
+            assert await slot.submit(4) == 40
+    assert results == {1: 10}
+    assert fn.seen() == [1, 4]
+    assert sched.stats.snapshot().error_kinds == {"deadline": 3}
+    assert sched.queue_depth == 0
+
+
 async def test_aclose_finishes_queued_work_then_refuses() -> None:
     results: dict[int, Any] = {}
     exits: list[int] = []

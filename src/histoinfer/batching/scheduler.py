@@ -152,28 +152,35 @@ class BatchScheduler(Generic[T, R]):
     async def submit(self, item: T, *, timeout: float | None = None, wait: bool = True) -> R:
         """Queue ``item`` and return its result from the batch function.
 
-        ``timeout`` is a dispatch deadline in seconds: if the item has not reached the batch
-        function by then, :class:`DeadlineExceededError` is raised (once dispatched, it runs).
+        ``timeout`` is a dispatch deadline in seconds, counted from this call: if the item has
+        not reached the batch function by then (waiting for room included), it never will, and
+        :class:`DeadlineExceededError` is raised (once dispatched, it runs to completion).
         ``wait=False`` raises :class:`OverloadedError` instead of waiting for room.
         """
+        deadline = _deadline(timeout)
         self._ensure_runner()
-        await self._admit(wait)
+        await self._admit(wait, deadline)
         try:
-            return await self._enqueue_and_wait(item, timeout)
+            return await self._enqueue_and_wait(item, deadline)
         finally:
             self._release()
 
     @asynccontextmanager
-    async def reserve(self, *, wait: bool = True) -> AsyncIterator[Reservation[T, R]]:
+    async def reserve(
+        self, *, wait: bool = True, timeout: float | None = None
+    ) -> AsyncIterator[Reservation[T, R]]:
         """Admit a caller *before* its item exists, e.g. while it is being prepared.
 
         The runner knows a reserved item is on its way and waits for it (within ``max_wait_ms``)
-        instead of dispatching early: pipelined preparation still fills batches.
+        instead of dispatching early: pipelined preparation still fills batches. ``timeout`` is
+        the dispatch deadline, counted from now: it covers waiting for room, preparing and
+        queueing, and carries over to :meth:`Reservation.submit`.
         """
+        deadline = _deadline(timeout)
         self._ensure_runner()
-        await self._admit(wait)
+        await self._admit(wait, deadline)
         self._incoming += 1
-        reservation: Reservation[T, R] = Reservation(self)
+        reservation: Reservation[T, R] = Reservation(self, deadline)
         try:
             yield reservation
         finally:
@@ -215,28 +222,43 @@ class BatchScheduler(Generic[T, R]):
 
     # -- the caller's side ----------------------------------------------------------------
 
-    async def _admit(self, wait: bool) -> None:
+    async def _admit(self, wait: bool, deadline: float | None) -> None:
         if self._closing:
             raise ClientClosedError(f"{self.name}: the scheduler is closed")
         if self._admission is None:
             return
-        if wait:
-            await self._admission.acquire()
-        else:
+        if not wait:
             try:
                 self._admission.acquire_nowait()
             except anyio.WouldBlock:
                 raise OverloadedError(
                     f"{self.name}: queue full ({self.max_queue} requests admitted); retry later"
                 ) from None
+        elif deadline is None:
+            await self._admission.acquire()
+        else:
+            with anyio.move_on_after(deadline - time.perf_counter()):
+                await self._admission.acquire()
+                return
+            raise self._deadline_exceeded(
+                f"still waiting for room in a full queue ({self.max_queue} requests admitted)"
+            )
+
+    def _deadline_exceeded(self, detail: str) -> DeadlineExceededError:
+        self._count(self.stats.record_error, "deadline")
+        return DeadlineExceededError(
+            f"{self.name}: request not dispatched within its deadline: {detail}"
+        )
 
     def _release(self) -> None:
         if self._admission is not None:
             self._admission.release()
 
-    async def _enqueue_and_wait(self, item: T, timeout: float | None) -> R:
+    async def _enqueue_and_wait(self, item: T, deadline: float | None) -> R:
         now = time.perf_counter()
-        pending: _Pending[T, R] = _Pending(item, now, None if timeout is None else now + timeout)
+        if deadline is not None and deadline <= now:
+            raise self._deadline_exceeded("it expired before the request was queued")
+        pending: _Pending[T, R] = _Pending(item, now, deadline)
         try:
             self._send.send_nowait(pending)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
@@ -244,19 +266,14 @@ class BatchScheduler(Generic[T, R]):
         self._queued += 1
         self._count(self.stats.queue_changed, +1)
         try:
-            if timeout is None:
+            if deadline is None:
                 await pending.done.wait()
             else:
-                with anyio.move_on_after(timeout):
+                with anyio.move_on_after(deadline - now):
                     await pending.done.wait()
                 if pending.state == _QUEUED:
                     self._abandon(pending)
-                    self._count(self.stats.record_error, "deadline")
-                    raise DeadlineExceededError(
-                        f"{self.name}: request not dispatched within its "
-                        f"{timeout * 1000:.0f} ms deadline "
-                        f"({self._queued} other requests still queued)"
-                    )
+                    raise self._deadline_exceeded(f"{self._queued} other requests still queued")
                 await pending.done.wait()  # dispatched in time: it runs to completion
         except BaseException:
             if pending.state == _QUEUED:  # cancelled while queued: leave before dispatch
@@ -461,18 +478,29 @@ class BatchScheduler(Generic[T, R]):
         return results
 
 
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.perf_counter() + timeout
+
+
 class Reservation(Generic[T, R]):
     """A place in a scheduler, taken by :meth:`BatchScheduler.reserve` before the item exists."""
 
-    __slots__ = ("_scheduler", "used")
+    __slots__ = ("_deadline", "_scheduler", "used")
 
-    def __init__(self, scheduler: BatchScheduler[T, R]) -> None:
+    def __init__(self, scheduler: BatchScheduler[T, R], deadline: float | None = None) -> None:
         self._scheduler = scheduler
+        self._deadline = deadline
         self.used = False
 
     async def submit(self, item: T, *, timeout: float | None = None) -> R:
+        """Queue the item; the reservation's deadline applies, or ``timeout`` from now if
+        that is sooner."""
         if self.used:
             raise RuntimeError("a reservation submits one item")
         self.used = True
         self._scheduler._incoming -= 1
-        return await self._scheduler._enqueue_and_wait(item, timeout)
+        deadline = self._deadline
+        if timeout is not None:
+            own = time.perf_counter() + timeout
+            deadline = own if deadline is None else min(deadline, own)
+        return await self._scheduler._enqueue_and_wait(item, deadline)

@@ -148,8 +148,9 @@ class InProcessClient:
             In-process callers wait for room; ``overload="reject"`` raises
             :class:`~histoinfer.errors.OverloadedError` instead (the server answers 503).
         prepare_threads: worker threads per loop for parsing and decoding.
-        request_timeout: seconds a request may wait for dispatch before
-            :class:`~histoinfer.errors.DeadlineExceededError`; ``None`` waits as long as needed.
+        request_timeout: seconds from the call until its tile must reach the model (waiting
+            for room and preparing included), or :class:`~histoinfer.errors.DeadlineExceededError`;
+            ``None`` waits as long as needed. Once dispatched, a request runs to completion.
     """
 
     def __init__(
@@ -342,12 +343,16 @@ class InProcessClient:
             state = self._loops.get()
             if self.dynamic_batching:
                 scheduler = state.scheduler(mode)
-                async with scheduler.reserve(wait=self._wait_for_room) as slot:
+                # The deadline runs from here: waiting for room and preparing count too.
+                reservation = scheduler.reserve(
+                    wait=self._wait_for_room, timeout=self.request_timeout
+                )
+                async with reservation as slot:
                     request, tile = await anyio.to_thread.run_sync(
                         self._prepare, body, mode, limiter=state.prepare_limiter
                     )
                     try:
-                        output = await slot.submit(tile, timeout=self.request_timeout)
+                        output = await slot.submit(tile)
                     except InferenceError:
                         raise
                     except Exception as exc:
