@@ -127,6 +127,21 @@ async def test_an_abandoned_reservation_releases_the_waiting_batch() -> None:
     assert results == {1: 10}
 
 
+async def test_a_reservation_expiring_before_submit_releases_the_waiting_batch() -> None:
+    fn = HeldBatchFn(held=False)
+    sched = BatchScheduler(fn, max_batch_size=8, max_wait_ms=10_000)
+    results: dict[int, Any] = {}
+    with anyio.fail_after(5):  # the window is 10 s: waiting it out fails this test
+        async with anyio.create_task_group() as tg, sched.reserve(timeout=0.05) as slot:
+            spawn_submit(tg, sched.submit, 1, results)
+            await wait_until(lambda: sched.queue_depth == 1)
+            await anyio.sleep(0.1)  # preparation outlives the deadline
+            with pytest.raises(DeadlineExceededError):
+                await slot.submit(2)
+            await wait_until(lambda: 1 in results)
+    assert results == {1: 10}
+
+
 async def test_batch_fn_runs_in_a_worker_thread_with_its_own_limiter() -> None:
     fn = HeldBatchFn(held=False)
     sched = BatchScheduler(fn, max_batch_size=8)

@@ -257,6 +257,8 @@ class BatchScheduler(Generic[T, R]):
     async def _enqueue_and_wait(self, item: T, deadline: float | None) -> R:
         now = time.perf_counter()
         if deadline is not None and deadline <= now:
+            if self._incoming == 0:  # a reservation ends here, without an item: wake the runner
+                self._wake_runner()
             raise self._deadline_exceeded("it expired before the request was queued")
         pending: _Pending[T, R] = _Pending(item, now, deadline)
         try:
