@@ -91,7 +91,8 @@ def test_200_asyncio_run_lifetimes_leak_nothing(client: InProcessClient) -> None
     assert _settle(lambda: threading.active_count() <= threads_before), [
         t.name for t in threading.enumerate()
     ]
-    assert _schedulers_alive() <= schedulers_before
+    # An idle worker thread of the last loop holds its last job until it exits: let it go.
+    assert _settle(lambda: _schedulers_alive() <= schedulers_before)
     gc.collect()
     closed_loops = [
         o
@@ -113,4 +114,4 @@ def test_trio_run_lifetimes_leak_no_schedulers(client: InProcessClient) -> None:
     answers = {anyio.run(lifetime, backend="trio") for _ in range(30)}
     assert len(answers) == 1
     assert len(client._loops._values) == 0
-    assert _schedulers_alive() <= schedulers_before
+    assert _settle(lambda: _schedulers_alive() <= schedulers_before)
