@@ -83,10 +83,14 @@ def test_classify_stack() -> None:
     assert classify_stack([frame("parse_request", "histoinfer/schema.py")]) == (
         "JSON parse + validate"
     )
-    assert classify_stack([frame("forward_batch", "histoinfer/models/base.py")]) == "forward"
-    assert classify_stack([frame("select", "selectors.py"), frame("x", "asyncio/base.py")]) == (
-        "event loop / thread handoff"
+    assert classify_stack([frame("ServerModel.forward_batch", "histoinfer/models/base.py")]) == (
+        "forward"
     )
+    assert classify_stack([frame("Image.tobytes", "PIL/Image.py")]) == "tensor build"
+    assert classify_stack([frame("run", "asyncio/base.py"), frame("select", "selectors.py")]) == (
+        "idle wait (select, queue)"
+    )
+    assert classify_stack([frame("_run_once", "asyncio/base_events.py")]) == "event loop / anyio"
 
 
 def test_http_path_reports_why_it_cannot_run() -> None:

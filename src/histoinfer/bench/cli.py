@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {path}")
     for section in ("throughput", "overhead", "latency"):
         for check in report.get(section, {}).get("checks", []):
-            value = "–" if check["value"] is None else f"{check['value']:.2f}"
+            value = "–" if check["value"] is None else f"{check['value']:.3f}"
             verdict = {True: "met", False: "NOT met", None: "not measured"}[check["met"]]
             sign = ">=" if check["higher_is_better"] else "<="
             print(

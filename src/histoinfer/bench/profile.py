@@ -21,6 +21,7 @@ import base64
 import binascii
 import io
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -44,15 +45,20 @@ Log = Callable[[str], None]
 # -- 1: step costs ------------------------------------------------------------------------------
 
 
-def _per_call(fn: Callable[[int], object], calls: int, repeats: int = 3) -> float:
-    """Median over ``repeats`` of the mean seconds per call of ``fn(i)``, i = 0..calls-1."""
-    timings = []
+def _per_call(fn: Callable[[int], object], calls: int, repeats: int = 3) -> tuple[float, float]:
+    """Median over ``repeats`` of the mean (wall, process CPU) seconds per call of ``fn(i)``.
+
+    Process CPU counts every thread of the process, torch's own workers included: a step that
+    uses 2 cores for 1 ms costs 2 ms of it.
+    """
+    walls, cpus = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        w0, c0 = time.perf_counter(), time.process_time()
         for i in range(calls):
             fn(i)
-        timings.append((time.perf_counter() - t0) / calls)
-    return statistics.median(timings)
+        walls.append((time.perf_counter() - w0) / calls)
+        cpus.append((time.process_time() - c0) / calls)
+    return statistics.median(walls), statistics.median(cpus)
 
 
 #: step name -> (function name py-spy sees, tiles per call)
@@ -130,6 +136,18 @@ def step_functions(model: Any, bodies: list[str]) -> dict[str, Callable[[int], o
     }
 
 
+#: the steps one request goes through in the explicit loop, in order (prepare_sample total
+#: stands for base64 .. tensor build)
+PIPELINE = (
+    "JSON parse + validate (pydantic)",
+    "prepare_sample total (base64..tensor)",
+    "stack (batch of 64)",
+    "forward (batch of 64, incl. normalize)",
+    "split (.tolist, batch of 64)",
+    "postprocess + JSON out",
+)
+
+
 def step_costs(model: Any, bodies: list[str], log: Log) -> list[dict[str, Any]]:
     from .overhead import OverheadConfig, measure_overhead
 
@@ -138,52 +156,106 @@ def step_costs(model: Any, bodies: list[str], log: Log) -> list[dict[str, Any]]:
         per_call = STEP_NAMES[name][1]
         calls = 2 if name.startswith("forward (batch of 64") else 4 if per_call == 64 else 60
         fn(0)
-        us = 1e6 * _per_call(fn, calls) / per_call
-        rows.append({"step": name, "us_per_tile": us})
-        log(f"[profile] {name}: {us:.0f} µs/tile")
+        wall, cpu = _per_call(fn, calls)
+        row = {
+            "step": name,
+            "us_per_tile": 1e6 * wall / per_call,
+            "cpu_us_per_tile": 1e6 * cpu / per_call,
+        }
+        rows.append(row)
+        wall_us, cpu_us = row["us_per_tile"], row["cpu_us_per_tile"]
+        log(f"[profile] {name}: {wall_us:.0f} µs/tile wall, {cpu_us:.0f} µs CPU")
     noop = measure_overhead("scheduler-asyncio", OverheadConfig(requests=5000, concurrency=64))
     rows.insert(
         7,
         {
             "step": "scheduler (no-op batch fn, 64 in flight, asyncio)",
             "us_per_tile": 1e6 / noop.throughput,
+            "cpu_us_per_tile": None,
         },
     )
     return rows
 
 
+def cpu_budget(steps: list[dict[str, Any]]) -> dict[str, float]:
+    """What 2 cores allow: the explicit loop runs the steps one after another (wall times add),
+    perfect pipelining runs them side by side (CPU times add, spread over every core)."""
+    by_name = {row["step"]: row for row in steps}
+    wall = sum(by_name[name]["us_per_tile"] for name in PIPELINE)
+    cpu = sum(by_name[name]["cpu_us_per_tile"] for name in PIPELINE)
+    cores = os.cpu_count() or 1
+    forward = by_name["forward (batch of 64, incl. normalize)"]["us_per_tile"]
+    explicit = 1e6 / wall
+    ceiling = min(cores * 1e6 / cpu, 1e6 / forward)
+    return {
+        "cores": cores,
+        "sequential_us_per_tile": wall,
+        "cpu_us_per_tile": cpu,
+        "explicit_tiles_s": explicit,
+        "pipelined_ceiling_tiles_s": ceiling,
+        "ceiling_ratio": ceiling / explicit,
+    }
+
+
 # -- 3: sampling profile -------------------------------------------------------------------------
 
-#: (step, predicate on a frame "function (file:line)") — checked from the leaf up.
-_IMAGING_LINES: dict[int, str] = {}
+_LINE_STEPS: dict[str, dict[int, str]] = {}
+
+#: per source file of ours: (text on a line -> the step that line is) for C calls py-spy cannot
+#: see into; found in the source at run time, so that edits to those files do not break it.
+_LINE_PATTERNS: dict[str, tuple[tuple[str, str], ...]] = {
+    "models/imaging.py": (
+        ("a2b_base64", "base64 decode"),
+        ("frombuffer", "tensor build"),
+        (".permute(", "tensor build"),
+        ("Image.open", "PNG decode"),
+        (".load()", "PNG decode"),
+    ),
+    "clients/inprocess.py": (
+        ("torch.stack(", "stack"),
+        ("_device_lock", "device lock wait"),
+        (".split()", "split (.tolist)"),
+    ),
+}
 
 
-def _imaging_lines() -> dict[int, str]:
-    """Line numbers of C calls inside ``decode_tile`` that py-spy cannot see into."""
-    if not _IMAGING_LINES:
-        from ..models import imaging
+def _line_steps(suffix: str) -> dict[int, str]:
+    if suffix not in _LINE_STEPS:
+        import histoinfer
 
-        source = Path(imaging.__file__).read_text().splitlines()
-        for number, line in enumerate(source, start=1):
-            if "a2b_base64" in line:
-                _IMAGING_LINES[number] = "base64 decode"
-            elif "frombuffer" in line or ".permute(" in line:
-                _IMAGING_LINES[number] = "tensor build"
-            elif "Image.open" in line:
-                _IMAGING_LINES[number] = "PNG decode"
-    return _IMAGING_LINES
+        source = Path(histoinfer.__file__).parent.joinpath(suffix).read_text().splitlines()
+        found: dict[int, str] = {}
+        for number, text in enumerate(source, start=1):
+            for pattern, step in _LINE_PATTERNS[suffix]:
+                if pattern in text:
+                    found.setdefault(number, step)
+        _LINE_STEPS[suffix] = found
+    return _LINE_STEPS[suffix]
 
 
 def _frame_parts(frame: str) -> tuple[str, str, int]:
-    """``"func (path/file.py:12)"`` -> (func, path, line)."""
-    func, _, rest = frame.partition(" (")
+    """``"Class.func (path/file.py:12)"`` -> (func, path, line); ``func`` without its class."""
+    qualified, _, rest = frame.partition(" (")
     location = rest.rstrip(")")
     path, _, line = location.rpartition(":")
     try:
         number = int(line)
     except ValueError:
         number, path = 0, location
-    return func, path, number
+    return qualified.rsplit(".", 1)[-1], path, number
+
+
+_PIL_STEPS = {"tobytes": "tensor build", "resize": "resize", "convert": "RGB convert"}
+_FUNCTION_STEPS = {
+    "parse_request": "JSON parse + validate",
+    "model_validate_json": "JSON parse + validate",
+    "postprocess": "postprocess + JSON out",
+    "model_dump_json": "postprocess + JSON out",
+    "_finish": "postprocess + JSON out",
+    "forward_batch": "forward",
+    "_run_program": "forward",
+}
+_LOOP_PARTS = ("anyio/", "asyncio/", "trio/", "concurrent/", "threading", "selectors")
 
 
 def classify_stack(frames: list[str]) -> str:
@@ -191,37 +263,30 @@ def classify_stack(frames: list[str]) -> str:
     for frame in reversed(frames):
         func, path, line = _frame_parts(frame)
         if "PIL/" in path:
-            if func == "tobytes":
-                return "tensor build"
-            if func in ("resize",):
-                return "resize"
-            if func == "convert":
-                return "RGB convert"
-            return "PNG decode"
-        if path.endswith("models/imaging.py"):
-            return _imaging_lines().get(line, "PNG decode")
-        if func in ("parse_request", "model_validate_json", "_patch_idx_hint"):
-            return "JSON parse + validate"
-        if func in ("postprocess", "model_dump_json", "_finish", "_drop_absent_embedding"):
-            return "postprocess + JSON out"
+            return _PIL_STEPS.get(func, "PNG decode")
+        for suffix in _LINE_PATTERNS:
+            if path.endswith(suffix) and line in _line_steps(suffix):
+                return _line_steps(suffix)[line]
+        if func in _FUNCTION_STEPS:
+            return _FUNCTION_STEPS[func]
         if func == "split" and path.endswith("models/base.py"):
             return "split (.tolist)"
-        if func in ("forward_batch", "_run_program"):
-            return "forward"
-        if func == "_forward" and path.endswith("clients/inprocess.py"):
-            return "stack"
+        if path.endswith("models/imaging.py"):
+            return "PNG decode"
         if "histoinfer/batching/" in path:
             return "scheduler"
-        if path.endswith("clients/inprocess.py"):
+        if "histoinfer/clients/" in path or "histoinfer/server/" in path:
             return "client glue"
         if "histoinfer/bench/" in path:
             return "benchmark driver"
+    names = [_frame_parts(frame)[0] for frame in frames]
+    if "call_soon_threadsafe" in names or "run_sync_soon" in names:
+        return "worker -> loop handoff"
+    if names and names[-1] in ("select", "poll", "get_events", "wait", "get"):
+        return "idle wait (select, queue)"
     for frame in reversed(frames):
-        _, path, _ = _frame_parts(frame)
-        if any(
-            part in path for part in ("anyio/", "asyncio/", "trio/", "concurrent/", "threading")
-        ):
-            return "event loop / thread handoff"
+        if any(part in _frame_parts(frame)[1] for part in _LOOP_PARTS):
+            return "event loop / anyio"
     return "other"
 
 
@@ -413,6 +478,7 @@ def run_profile(cfg: Any, log: Log) -> dict[str, Any]:
     bodies = load_bodies(128, cfg.seed, workdir, log)
     sample = json.loads(bodies[0])
     steps = step_costs(model, bodies, log)
+    budget = cpu_budget(steps)
     gil = gil_by_step(checkpoint, workdir, log, 0.8 if cfg.quick else 1.5, seed=cfg.seed)
     shares = gil.get("gil_share", {})
     for row in steps:
@@ -422,6 +488,7 @@ def run_profile(cfg: Any, log: Log) -> dict[str, Any]:
         "png_bytes": len(base64.b64decode(sample["image_data"])),
         "torch_threads": torch.get_num_threads(),
         "steps": steps,
+        "cpu_budget": budget,
         "gil_by_step": gil,
         "sampling": sampling_profile(
             checkpoint, workdir, log, seconds=4.0 if cfg.quick else 8.0, seed=cfg.seed

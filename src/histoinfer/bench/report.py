@@ -38,7 +38,7 @@ def _checks_table(checks: list[dict[str, Any]]) -> list[str]:
     for c in checks:
         bound = ("≥ " if c["higher_is_better"] else "≤ ") + f"{c['target']:g}"
         rounds = ", ".join(f"{v:.2f}" for v in c["per_round"])
-        value, met = _num(c["value"], 2), _met(c["met"])
+        value, met = _num(c["value"], 3), _met(c["met"])
         rows.append([c["name"], f"#{c['issue']}", value, bound, rounds, met, c["detail"]])
     return _table(headers, rows)
 
@@ -56,8 +56,23 @@ def _profile_section(profile: dict[str, Any]) -> list[str]:
     rows = []
     for row in profile["steps"]:
         share = row.get("gil_share")
-        rows.append([row["step"], f"{row['us_per_tile']:.0f}", _pct(share and min(share, 1.0))])
-    out += _table(["step", "µs per tile", "GIL held"], rows)
+        cpu = _num(row.get("cpu_us_per_tile"), 0)
+        rows.append(
+            [row["step"], f"{row['us_per_tile']:.0f}", cpu, _pct(share and min(share, 1.0))]
+        )
+    out += _table(["step", "µs per tile", "CPU µs per tile", "GIL held"], rows)
+    budget = profile.get("cpu_budget")
+    if budget:
+        out += [
+            f"CPU budget: one request costs {budget['sequential_us_per_tile']:.0f} µs of wall "
+            f"time done step after step (the explicit loop: "
+            f"{budget['explicit_tiles_s']:.0f} tiles/s) and {budget['cpu_us_per_tile']:.0f} µs of "
+            f"CPU. Perfectly pipelined over {budget['cores']} cores that is at most "
+            f"{budget['pipelined_ceiling_tiles_s']:.0f} tiles/s: a ceiling of "
+            f"**{budget['ceiling_ratio']:.2f}x** the explicit loop for any batcher on this "
+            "machine, before any per-request overhead.",
+            "",
+        ]
     skipped = profile.get("gil_by_step", {}).get("skipped")
     if skipped:
         out += [f"GIL by step skipped: {skipped}", ""]
