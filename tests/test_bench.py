@@ -130,6 +130,7 @@ def test_run_bench_smoke_writes_json_markdown_and_plot(workdir: Path, tmp_path: 
         assert row["throughput"] > 0
         assert 0 < row["latency_ms"]["p50"] <= row["latency_ms"]["p99"]
         assert row["tiles"] == 8 if row["concurrency"] == 1 else row["tiles"] == 16
+        assert row["cpu_ms_per_tile"] > 0
     raw8 = next(r for r in rows if r["path"] == "raw" and r["concurrency"] == 8)
     assert raw8["mean_batch_size"] == 8
     dynamic = next(r for r in rows if r["path"] == "dynamic-asyncio" and r["concurrency"] == 8)

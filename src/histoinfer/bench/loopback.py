@@ -123,6 +123,14 @@ class ServerProcess:
             time.sleep(0.2)
         raise RuntimeError(f"'histoinfer serve' not ready after {timeout:.0f} s: {self.log_tail()}")
 
+    def cpu_s(self) -> float:
+        """CPU seconds the server process has used (user + system), from /proc; 0 if unknown."""
+        try:
+            fields = Path(f"/proc/{self._process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def log_tail(self, chars: int = 600) -> str:
         self._log.seek(0)
         text = self._log.read()

@@ -35,6 +35,8 @@ class Sample:
     batches: int | None = None
     samples: int | None = None
     forward_busy_s: float | None = None
+    #: CPU seconds spent (every thread of this process, plus a server process if any)
+    cpu_s: float | None = None
 
     @property
     def throughput(self) -> float:
@@ -45,6 +47,10 @@ class Sample:
         if not self.batches or self.samples is None:
             return None
         return self.samples / self.batches
+
+    @property
+    def cpu_ms_per_tile(self) -> float | None:
+        return None if self.cpu_s is None else 1000.0 * self.cpu_s / self.tiles
 
     @property
     def busy_share(self) -> float | None:

@@ -61,6 +61,10 @@ class BenchPath(ABC):
     def close(self) -> None:  # noqa: B027
         """Release it."""
 
+    def external_cpu_s(self) -> float:
+        """CPU seconds used so far by processes of this path other than ours (a server)."""
+        return 0.0
+
     @abstractmethod
     def measure(self, bodies: Sequence[str], concurrency: int) -> Sample: ...
 
@@ -252,11 +256,14 @@ class HttpLoopback(BenchPath):
     def close(self) -> None:
         self.server.close()
 
+    def external_cpu_s(self) -> float:
+        return self.server.cpu_s()
+
     def measure(self, bodies: Sequence[str], concurrency: int) -> Sample:
         base_url, model = self.server.base_url, self.server.model
 
         async def run() -> tuple[float, list[float], list[str | None]]:
-            client = _http_client(base_url, model, concurrency)
+            client = _http_client(base_url, model)
             async with client:
                 return await drive_async(client.predict_async, bodies, concurrency)
 
@@ -315,13 +322,13 @@ def http_client_kind() -> str:
     return "histoinfer.HttpClient"
 
 
-def _http_client(base_url: str, model: str, concurrency: int) -> Any:
-    connections = max(concurrency, 16)
+def _http_client(base_url: str, model: str) -> Any:
+    """``HttpClient`` as shipped (its default pool of 256 connections): what users measure."""
     try:
         from histoinfer.clients.http import HttpClient
     except ImportError:
-        return _PlainHttpx(base_url, model, connections)
-    return HttpClient(base_url, model, max_connections=connections)
+        return _PlainHttpx(base_url, model, 256)
+    return HttpClient(base_url, model)
 
 
 PATHS: dict[str, type[BenchPath]] = {

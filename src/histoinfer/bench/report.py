@@ -114,12 +114,13 @@ def markdown(report: dict[str, Any]) -> str:
     throughput = report.get("throughput")
     if throughput:
         headers = ["model", "path", "in flight", "tiles", "tiles/s", "p50 ms", "p95 ms"]
-        headers += ["p99 ms", "mean batch", "forward busy"]
+        headers += ["p99 ms", "mean batch", "forward busy", "CPU ms/tile"]
         rows = [
             [row["model"], row["path"], str(row["concurrency"]), str(row["tiles"])]
             + [f"{row['throughput']:.1f}"]
             + [f"{row['latency_ms'][q]:.1f}" for q in ("p50", "p95", "p99")]
             + [_num(row["mean_batch_size"]), _pct(row["forward_busy"])]
+            + [_num(row.get("cpu_ms_per_tile"), 2)]
             for row in throughput["rows"]
         ]
         out += ["## Throughput and latency", "", *_table(headers, rows)]

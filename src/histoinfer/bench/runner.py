@@ -147,6 +147,7 @@ def summarize(samples: Sequence[Sample]) -> dict[str, Any]:
         },
         "mean_batch_size": _median([s.mean_batch_size for s in samples]),
         "forward_busy": _median([s.busy_share for s in samples]),
+        "cpu_ms_per_tile": _median([s.cpu_ms_per_tile for s in samples]),
     }
 
 
@@ -276,11 +277,15 @@ def run_throughput(cfg: BenchConfig, log: Log) -> dict[str, Any]:
                     subset = bodies[: cfg.tiles_at(size, level)]
                     shift = r % len(paths) if paths else 0
                     for path in paths[shift:] + paths[:shift]:
+                        cpu0 = time.process_time() + path.external_cpu_s()
                         sample = path.measure(subset, level)
+                        cpu = time.process_time() + path.external_cpu_s() - cpu0
+                        sample = replace(sample, cpu_s=cpu)
                         samples.setdefault((size, path.name, level), []).append(sample)
                         log(
                             f"[{size}] round {r + 1}/{rounds} c={level:<4} {path.name:<16} "
-                            f"{sample.throughput:8.1f} tiles/s"
+                            f"{sample.throughput:8.1f} tiles/s {sample.cpu_ms_per_tile:6.2f} "
+                            f"CPU ms/tile  load {os.getloadavg()[0]:.1f}"
                         )
         finally:
             for path in paths:
