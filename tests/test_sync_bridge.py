@@ -113,6 +113,38 @@ async def test_a_sync_call_in_a_worker_thread_batches_with_its_host_loop(
     assert snap.samples == len(indices) and snap.batches < len(indices)
 
 
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_a_worker_thread_sync_call_whose_host_is_already_cancelled(
+    client: InProcessClient,
+) -> None:
+    """The host task is cancelled before its worker thread calls predict(): the call must end
+    cancelled, not hang (anyio 4.16 on asyncio never delivers that cancellation by itself).
+    """
+    started, go = threading.Event(), threading.Event()
+
+    def worker() -> str:
+        started.set()
+        go.wait(10)
+        return client.predict(body(0))
+
+    with anyio.CancelScope() as scope:
+
+        async def cancel_then_call() -> None:
+            await wait_until(started.is_set)  # the host now waits for its worker thread
+            scope.cancel()
+            with anyio.CancelScope(shield=True):  # this task is in the cancelled scope too
+                await anyio.sleep(0.05)  # the cancellation is delivered to what is there
+                go.set()  # only now does the worker thread call predict()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(cancel_then_call)
+            await anyio.to_thread.run_sync(worker)
+    assert scope.cancelled_caught
+    with anyio.fail_after(20):  # and the client is fine
+        assert outputs_close(await call(client, 0), expected(client.server_model, [0])[0])
+
+
 @pytest.mark.timeout(90)
 def test_close_lets_sync_calls_in_flight_finish_then_refuses(tiny_model: ServerModel) -> None:
     client = InProcessClient(tiny_model, max_batch_size=8)

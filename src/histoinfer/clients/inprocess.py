@@ -32,6 +32,7 @@ from typing import Any, Literal, Self, TypeVar
 
 import anyio
 import anyio.from_thread
+import anyio.lowlevel
 import anyio.to_thread
 import sniffio
 import torch
@@ -447,7 +448,7 @@ class InProcessClient:
     def _run_sync(self, fn: Callable[[str], Coroutine[Any, Any, T]], body: str) -> T:
         if getattr(_anyio_threadlocals, "current_token", None) is not None:
             # In an anyio worker thread: run in the host loop, and batch with it.
-            return anyio.from_thread.run(fn, body)
+            return anyio.from_thread.run(_in_host_loop, fn, body)
         # Any other thread (a plain thread, or one whose loop is running, like a notebook
         # cell): the client's own portal. Sync calls from many threads batch together there.
         portal = self._get_portal()
@@ -499,6 +500,21 @@ class InProcessClient:
     def _wait_idle(self) -> None:
         with self._idle:
             self._idle.wait_for(lambda: self._active == 0)
+
+
+async def _in_host_loop(fn: Callable[[str], Coroutine[Any, Any, T]], body: str) -> T:
+    """Run a sync call from an anyio worker thread in the host loop, cancellable as it should be.
+
+    anyio 4.16's asyncio backend adds the ``from_thread.run`` task to the host's cancel scope but
+    does not deliver a cancellation that happened there before: anyio primitives in the task
+    (semaphores, limiters) then spin in ``checkpoint_if_cancelled`` forever, and the worker
+    thread with its host task hang. Leaving a cancel scope restarts the delivery of a pending
+    cancellation in the parent scope, and the checkpoint takes it. A no-op otherwise, and on trio.
+    """
+    with anyio.CancelScope():
+        pass
+    await anyio.lowlevel.checkpoint()
+    return await fn(body)
 
 
 def _running_loop_here() -> bool:
