@@ -100,6 +100,12 @@ def test_200_asyncio_run_lifetimes_leak_nothing(client: InProcessClient) -> None
         if issubclass(type(o), asyncio.AbstractEventLoop) and o.is_closed()
     ]
     assert len(closed_loops) <= 2  # a closed loop or two may await collection; not 200
+    runner_tasks = [
+        o
+        for o in gc.get_objects()
+        if type(o) is asyncio.Task and o.get_name().startswith("histoinfer:")
+    ]
+    assert runner_tasks == []
     snap = client.stats()["predict"]
     assert snap.samples == 201 and snap.queue_depth == 0
 
