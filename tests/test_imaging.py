@@ -212,3 +212,43 @@ def test_corrupted_images_decode_or_raise_invalid_request(data: st.DataObject) -
         assert WHERE in str(exc)
         return
     assert tile.dtype == torch.uint8 and tuple(tile.shape) == (3, 16, 16)
+
+
+@pytest.mark.parametrize("mode", ["RGB", "RGBA", "L", "LA", "P"])
+@pytest.mark.parametrize("size", [224, 112])
+def test_fast_png_path_is_pixel_identical_to_pillow(monkeypatch, mode, size):
+    """libspng (the `fast` extra) must give exactly Pillow's pixels, resized or not."""
+    import base64
+    import io
+
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from histoinfer.models import imaging
+
+    if imaging._spng is None:
+        pytest.skip("pyspng is not installed")
+    rng = np.random.default_rng(size)
+    channels = {"RGB": 3, "RGBA": 4, "L": 1, "LA": 2, "P": 1}[mode]
+    pixels = rng.integers(0, 256, (size, size, channels), dtype=np.uint8)
+    image = Image.fromarray(pixels.squeeze(-1) if channels == 1 else pixels)
+    if mode == "P":
+        image = image.convert("P")
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    encoded = base64.b64encode(buf.getvalue()).decode()
+    kwargs = dict(
+        width=size,
+        height=size,
+        tile_size=224,
+        interpolation="bilinear",
+        max_image_bytes=1 << 25,
+        max_image_pixels=1 << 24,
+        where="for test",
+    )
+    fast = imaging.decode_tile(encoded, **kwargs)
+    monkeypatch.setattr(imaging, "_spng", None)
+    slow = imaging.decode_tile(encoded, **kwargs)
+    assert fast.shape == slow.shape == (3, 224, 224)
+    assert torch.equal(fast, slow)
