@@ -536,3 +536,34 @@ def test_from_checkpoint_builds_an_explicit_client(tiny_checkpoint: Any) -> None
 def test_bad_settings_are_refused(tiny_model: ServerModel, kwargs: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         InProcessClient(tiny_model, dynamic_batching=False, **kwargs)
+
+
+def test_metadata_after_close_raises_like_every_other_method(tiny_model: Any) -> None:
+    client = InProcessClient(tiny_model, dynamic_batching=False)
+    assert json.loads(client.metadata())["name"] == "h1"
+    client.close()
+    with pytest.raises(ClientClosedError):
+        client.metadata()
+
+
+@pytest.mark.anyio
+async def test_unknown_mode_is_unsupported_not_a_key_error(tiny_model: Any) -> None:
+    async with InProcessClient(tiny_model) as client:
+        with pytest.raises(UnsupportedModeError, match="'segment'"):
+            await client.infer_async(make_body(0), "segment")  # type: ignore[arg-type]
+        assert json.loads(await client.predict_async(make_body(1)))["patch_idx"] == 1
+
+
+def test_batch_of_only_bulk_rna_problems_is_unsupported_like_a_single_request(
+    explicit_client: Any,
+) -> None:
+    with pytest.raises(UnsupportedModeError) as single:
+        explicit_client.predict(make_body(0, bulk_rna=[1.0]))
+    with pytest.raises(UnsupportedModeError, match="batch position 1") as batch:
+        explicit_client.predict_batch([make_body(0), make_body(1, bulk_rna=[1.0])])
+    assert "bulk_rna" in str(single.value) and "bulk_rna" in str(batch.value)
+    # Mixed kinds of problem: the general class, naming both positions.
+    with pytest.raises(InvalidRequestError) as mixed:
+        explicit_client.predict_batch([make_body(0, bulk_rna=[1.0]), make_body(1, x=-1)])
+    assert type(mixed.value) is InvalidRequestError
+    assert "batch position 0" in str(mixed.value) and "batch position 1" in str(mixed.value)

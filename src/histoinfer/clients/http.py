@@ -24,8 +24,7 @@ import threading
 import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 from urllib.parse import quote
 
 import anyio
@@ -35,6 +34,7 @@ import sniffio
 
 from ..errors import ClientClosedError, InferenceError, InvalidRequestError, error_for_problem_type
 from ..schema import Mode, locate
+from .lifecycle import ClosingContext
 
 __all__ = ["BATCH_BODIES_JSON", "BYTES_KEY", "NDJSON", "HttpClient"]
 
@@ -66,7 +66,7 @@ _PLACEHOLDERS: dict[type, object] = {
 }
 
 
-class HttpClient:
+class HttpClient(ClosingContext):
     """Runs the ``Client`` protocol against a histoinfer server (``histoinfer serve``).
 
     Args:
@@ -179,28 +179,6 @@ class HttpClient:
                 await pool.client.aclose()  # this loop's pool is closed when we return
         if sync is not None:
             sync.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     def __repr__(self) -> str:
         closed = " closed" if self._closed else ""

@@ -27,8 +27,7 @@ import weakref
 from collections.abc import Callable, Coroutine
 from functools import partial
 from pathlib import Path
-from types import TracebackType
-from typing import Any, Literal, Self, TypeVar
+from typing import Any, Literal, TypeVar
 
 import anyio
 import anyio.from_thread
@@ -48,6 +47,7 @@ from ..errors import (
 from ..models.base import SampleOutput, ServerModel
 from ..models.registry import build_server_model
 from ..schema import MODES, BatchingSettings, Mode, ModelRequest, locate, parse_request
+from .lifecycle import ClosingContext
 from .portal import PortalThread
 
 __all__ = ["InProcessClient"]
@@ -134,7 +134,7 @@ def _close_loop_states(loops: PerLoop[_LoopState]) -> None:
         state.close_soon()
 
 
-class InProcessClient:
+class InProcessClient(ClosingContext):
     """Runs a :class:`ServerModel` in this process; implements the whole ``Client`` protocol.
 
     Args:
@@ -250,6 +250,8 @@ class InProcessClient:
         return self._run_sync(self.predict_with_embedding_async, body)
 
     def metadata(self) -> str:
+        if self._closed:  # as HttpClient, and every other method: closed means closed
+            raise ClientClosedError("the client is closed")
         return self._metadata_json
 
     # -- Client protocol: explicit batches ---------------------------------------------------
@@ -295,28 +297,6 @@ class InProcessClient:
         await anyio.to_thread.run_sync(self._wait_idle)
         await anyio.to_thread.run_sync(self._stop_portal)
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
     def __repr__(self) -> str:
         mode = "dynamic" if self.dynamic_batching else "explicit"
         return (
@@ -341,6 +321,7 @@ class InProcessClient:
         """Run one request body in ``mode`` (what the server routes call); see ``predict_async``."""
         self._enter()
         try:
+            self.server_model.check_mode(mode)  # an unknown mode is the caller's error
             state = self._loops.get()
             if self.dynamic_batching:
                 scheduler = state.scheduler(mode)
@@ -390,16 +371,20 @@ class InProcessClient:
                 )
             self.server_model.check_mode(mode)
             prepared: list[Prepared] = []
-            problems: list[str] = []
+            problems: list[InvalidRequestError] = []
             for position, body in enumerate(bodies):
                 try:
                     prepared.append(self._prepare(body, mode, position))
                 except InvalidRequestError as exc:
-                    problems.append(str(exc))
+                    problems.append(exc)
             if problems:
-                raise InvalidRequestError(
+                # The class a single request would get when every problem is of that kind
+                # (all bulk_rna: UnsupportedModeError, 400 over HTTP), else the general one.
+                kinds = {type(p) for p in problems}
+                error = kinds.pop() if len(kinds) == 1 else InvalidRequestError
+                raise error(
                     f"{len(problems)} of {len(bodies)} requests are invalid, nothing was "
-                    f"computed: " + "; ".join(problems)
+                    f"computed: " + "; ".join(map(str, problems))
                 )
             responses: list[str] = []
             for start in range(0, len(prepared), self.max_batch_size):
