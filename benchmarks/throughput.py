@@ -12,7 +12,7 @@ from histoinfer.bench.cli import main
 
 DEFAULTS = [
     "--suites=throughput",
-    "--paths=raw,explicit,dynamic-asyncio,dynamic-trio,bs1-asyncio",
+    "--paths=raw,explicit,dynamic-asyncio,dynamic-trio,bs1-asyncio,bs1-trio",
     "--out=bench-results/throughput",
 ]
 

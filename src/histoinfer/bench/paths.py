@@ -175,8 +175,14 @@ class BatchSizeOne(DynamicAsync):
     """``dynamic_batching=False``: every async call is its own forward pass."""
 
     name = "bs1-asyncio"
-    label = "async, batch size 1 (dynamic_batching=False)"
+    label = "async, batch size 1 (dynamic_batching=False), asyncio"
     dynamic = False
+
+
+class BatchSizeOneTrio(BatchSizeOne):
+    name = "bs1-trio"
+    label = "async, batch size 1 (dynamic_batching=False), trio"
+    backend = "trio"
 
 
 class SyncThreads(_ClientPath):
@@ -339,6 +345,7 @@ PATHS: dict[str, type[BenchPath]] = {
         DynamicAsyncio,
         DynamicTrio,
         BatchSizeOne,
+        BatchSizeOneTrio,
         SyncThreads,
         HttpLoopback,
         AsyncBatcherPath,
