@@ -255,11 +255,15 @@ _FUNCTION_STEPS = {
     "forward_batch": "forward",
     "_run_program": "forward",
 }
+_IDLE_LEAVES = frozenset({"select", "poll", "get_events", "wait", "get"})
 _LOOP_PARTS = ("anyio/", "asyncio/", "trio/", "concurrent/", "threading", "selectors")
 
 
 def classify_stack(frames: list[str]) -> str:
     """The step a sampled stack (root first) belongs to, by its deepest recognizable frame."""
+    names = [_frame_parts(frame)[0] for frame in frames]
+    if names and names[-1] in _IDLE_LEAVES:
+        return "idle wait (select, queue)"
     for frame in reversed(frames):
         func, path, line = _frame_parts(frame)
         if "PIL/" in path:
@@ -279,11 +283,8 @@ def classify_stack(frames: list[str]) -> str:
             return "client glue"
         if "histoinfer/bench/" in path:
             return "benchmark driver"
-    names = [_frame_parts(frame)[0] for frame in frames]
     if "call_soon_threadsafe" in names or "run_sync_soon" in names:
         return "worker -> loop handoff"
-    if names and names[-1] in ("select", "poll", "get_events", "wait", "get"):
-        return "idle wait (select, queue)"
     for frame in reversed(frames):
         if any(part in _frame_parts(frame)[1] for part in _LOOP_PARTS):
             return "event loop / anyio"

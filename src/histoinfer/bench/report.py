@@ -67,10 +67,11 @@ def _profile_section(profile: dict[str, Any]) -> list[str]:
             f"CPU budget: one request costs {budget['sequential_us_per_tile']:.0f} µs of wall "
             f"time done step after step (the explicit loop: "
             f"{budget['explicit_tiles_s']:.0f} tiles/s) and {budget['cpu_us_per_tile']:.0f} µs of "
-            f"CPU. Perfectly pipelined over {budget['cores']} cores that is at most "
-            f"{budget['pipelined_ceiling_tiles_s']:.0f} tiles/s: a ceiling of "
-            f"**{budget['ceiling_ratio']:.2f}x** the explicit loop for any batcher on this "
-            "machine, before any per-request overhead.",
+            f"CPU. Spread perfectly over {budget['cores']} cores, and if sharing the cores "
+            f"cost no extra CPU, that is at most {budget['pipelined_ceiling_tiles_s']:.0f} "
+            f"tiles/s: **{budget['ceiling_ratio']:.2f}x** the explicit loop, an upper bound for "
+            "any batcher on this machine (sharing does cost CPU: compare the paths' CPU ms per "
+            "tile; under external load the forward pass's CPU is understated).",
             "",
         ]
     skipped = profile.get("gil_by_step", {}).get("skipped")
