@@ -135,7 +135,9 @@ class BatchScheduler(Generic[T, R]):
         self.stats = stats if stats is not None else BatchStats()
         # Made outside a loop, these bind lazily to the first (and only) loop that uses them.
         self._limiter = limiter if limiter is not None else anyio.CapacityLimiter(1)
-        self._admission = anyio.Semaphore(max_queue) if max_queue is not None else None
+        self._admission = (
+            anyio.Semaphore(max_queue, fast_acquire=True) if max_queue is not None else None
+        )
         self._on_exit = on_exit
         self._send: MemoryObjectSendStream[_Pending[T, R]]
         self._receive: MemoryObjectReceiveStream[_Pending[T, R]]

@@ -177,7 +177,7 @@ class InProcessClient(ClosingContext):
         self.max_wait_ms = float(max_wait_ms)
         self.dynamic_batching = dynamic_batching
         self.max_queue = max_queue
-        self.prepare_threads = prepare_threads or max(2, os.cpu_count() or 2)
+        self.prepare_threads = prepare_threads or _default_prepare_threads(server_model.device)
         self.request_timeout = request_timeout
         self._wait_for_room = overload == "wait"
         self._model_name = server_model.metadata().name
@@ -500,6 +500,19 @@ async def _in_host_loop(fn: Callable[[str], Coroutine[Any, Any, T]], body: str) 
         pass
     await anyio.lowlevel.checkpoint()
     return await fn(body)
+
+
+def _default_prepare_threads(device: torch.device) -> int:
+    """Decode threads per loop: on a CPU device, the cores torch's forward pass leaves free.
+
+    A CPU forward pass already runs ``torch.get_num_threads()`` threads; more decoders than
+    the remaining cores oversubscribe the machine and slow the forward pass down more than
+    they gain (measured: docs/benchmarks.md). On an accelerator the CPU is free for decoding.
+    """
+    cores = os.cpu_count() or 2
+    if device.type == "cpu":
+        return max(1, cores - torch.get_num_threads())
+    return max(2, cores)
 
 
 def _running_loop_here() -> bool:
