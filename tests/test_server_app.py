@@ -128,7 +128,8 @@ def gated(tiny_model: Any) -> GatedModel:
 
 async def test_full_queue_answers_503_at_once(tiny_model):
     model = gated(tiny_model)
-    app = create_app(fresh_client(model, max_queue=2), retry_after=7)
+    # Two decode threads, so that both held requests are admitted and decoding at once.
+    app = create_app(fresh_client(model, max_queue=2, prepare_threads=2), retry_after=7)
     statuses: list[int] = []
     async with serving(app) as http:
 
