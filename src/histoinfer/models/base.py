@@ -17,7 +17,13 @@ import torch
 from ..errors import InvalidRequestError, ModelExecutionError, UnsupportedModeError
 from ..schema import MODES, Mode, ModelMetadata, ModelRequest, ModelResponse
 from .assets import ModelAssets, load_assets
-from .checkpoint import CheckpointError, LoadedCheckpoint, load_checkpoint, sniff_kind
+from .checkpoint import (
+    CheckpointError,
+    LoadedCheckpoint,
+    first_line,
+    load_checkpoint,
+    sniff_kind,
+)
 from .imaging import decode_tile
 
 __all__ = ["BatchOutput", "SampleOutput", "ServerModel"]
@@ -202,8 +208,7 @@ class ServerModel:
         except Exception as exc:
             raise CheckpointError(
                 f"checkpoint {self.checkpoint.path} failed on a [2, 3, {size}, {size}] "
-                f"probe batch: "
-                f"{(str(exc).strip().splitlines() or [type(exc).__name__])[0]}"
+                f"probe batch: {first_line(exc)}"
             ) from exc
         expected = {
             "predictions": (2, len(self.assets.gene_names)),

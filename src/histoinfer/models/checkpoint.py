@@ -85,7 +85,7 @@ def resolve_device(device: str | torch.device, path: Path) -> torch.device:
         resolved = torch.device(device)
     except (RuntimeError, TypeError, ValueError) as exc:
         raise CheckpointError(
-            f"cannot load checkpoint {path}: {device!r} is not a torch device ({_first_line(exc)})"
+            f"cannot load checkpoint {path}: {device!r} is not a torch device ({first_line(exc)})"
         ) from None
     if resolved.type == "cuda":
         if not torch.cuda.is_available():
@@ -123,7 +123,8 @@ def _load_program(path: Path, kind: CheckpointKind, device: torch.device) -> Pro
         return program  # type: ignore[no-any-return]
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (torch's run to pages), or its type."""
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
@@ -137,6 +138,6 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> Loa
     except Exception as exc:
         raise CheckpointError(
             f"checkpoint {path} ({kind}) could not be loaded on device {str(resolved)!r}: "
-            f"{_first_line(exc)}"
+            f"{first_line(exc)}"
         ) from exc
     return LoadedCheckpoint(path=path, kind=kind, sha256=file_sha256(path), program=program)
