@@ -46,21 +46,6 @@ def free_port() -> int:
         return port
 
 
-def _serve_options() -> str:
-    """The text of ``histoinfer serve --help``, to pass only the options it has."""
-    try:
-        result = subprocess.run(
-            [sys.executable, "-m", "histoinfer", "serve", "--help"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-    return result.stdout
-
-
 class ServerProcess:
     """``histoinfer serve`` for one checkpoint on ``127.0.0.1:<free port>``, until closed."""
 
@@ -89,12 +74,11 @@ class ServerProcess:
             "127.0.0.1",
             "--port",
             str(self.port),
+            "--max-batch-size",
+            str(max_batch_size),
+            "--max-wait-ms",
+            str(max_wait_ms),
         ]
-        options = _serve_options()
-        if "--max-batch-size" in options:
-            command += ["--max-batch-size", str(max_batch_size)]
-        if "--max-wait-ms" in options:
-            command += ["--max-wait-ms", str(max_wait_ms)]
         self.command = command
         self._log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - lives as long as the server
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
