@@ -227,8 +227,16 @@ def test_fast_png_path_is_pixel_identical_to_pillow(monkeypatch, mode, size):
 
     from histoinfer.models import imaging
 
-    if imaging._spng is None:
-        pytest.skip("pyspng is not installed")
+    if imaging._spng_decode is None:
+        pytest.skip("imagecodecs (the `fast` extra) is not installed")
+    calls: list[int] = []
+    real_decode = imaging._spng_decode
+
+    def counting_decode(raw: bytes):
+        calls.append(len(raw))
+        return real_decode(raw)
+
+    monkeypatch.setattr(imaging, "_spng_decode", counting_decode)
     rng = np.random.default_rng(size)
     channels = {"RGB": 3, "RGBA": 4, "L": 1, "LA": 2, "P": 1}[mode]
     pixels = rng.integers(0, 256, (size, size, channels), dtype=np.uint8)
@@ -248,7 +256,9 @@ def test_fast_png_path_is_pixel_identical_to_pillow(monkeypatch, mode, size):
         where="for test",
     )
     fast = imaging.decode_tile(encoded, **kwargs)
-    monkeypatch.setattr(imaging, "_spng", None)
+    # 8-bit gray, RGB and RGBA take the fast path; the others must fall back, not fail.
+    assert bool(calls) == (mode in ("RGB", "RGBA", "L"))
+    monkeypatch.setattr(imaging, "_spng_decode", None)
     slow = imaging.decode_tile(encoded, **kwargs)
     assert fast.shape == slow.shape == (3, 224, 224)
     assert torch.equal(fast, slow)

@@ -64,9 +64,11 @@ def _per_call(fn: Callable[[int], object], calls: int, repeats: int = 3) -> tupl
 #: step name -> (function name py-spy sees, tiles per call)
 STEP_NAMES: dict[str, tuple[str, int]] = {
     "JSON parse + validate (pydantic)": ("step_json_parse", 1),
-    "base64 decode": ("step_base64", 1),
+    "base64 decode (binascii)": ("step_base64", 1),
+    "base64 decode (pybase64, `fast`)": ("step_base64_fast", 1),
     "PNG open (header, chunks)": ("step_png_open", 1),
-    "PNG decode (open + load)": ("step_png_decode", 1),
+    "PNG decode (Pillow: open + load)": ("step_png_decode", 1),
+    "PNG decode (libspng via imagecodecs, `fast`)": ("step_png_fast", 1),
     "resize 256->224 (not on the 224 path)": ("step_resize", 1),
     "tensor build (tobytes + frombuffer)": ("step_tensor", 1),
     "prepare_sample total (base64..tensor)": ("step_prepare", 1),
@@ -80,6 +82,7 @@ STEP_NAMES: dict[str, tuple[str, int]] = {
 
 def step_functions(model: Any, bodies: list[str]) -> dict[str, Callable[[int], object]]:
     """Each step of a request as ``fn(i)`` over ready inputs, keyed like :data:`STEP_NAMES`."""
+    from ..models import imaging
     from ..schema import parse_request
 
     n = len(bodies)
@@ -110,13 +113,16 @@ def step_functions(model: Any, bodies: list[str]) -> dict[str, Callable[[int], o
         pixels = torch.frombuffer(bytearray(images[i % n].tobytes()), dtype=torch.uint8)
         pixels.view(224, 224, 3).permute(2, 0, 1)
 
-    return {
+    steps: dict[str, Callable[[int], object]] = {
         "JSON parse + validate (pydantic)": lambda i: parse_request(bodies[i % n]),
-        "base64 decode": lambda i: binascii.a2b_base64(
+        "base64 decode (binascii)": lambda i: binascii.a2b_base64(
             requests[i % n].image_data, strict_mode=True
         ),
+        "base64 decode (pybase64, `fast`)": lambda i: imaging._b64decode(
+            requests[i % n].image_data
+        ),
         "PNG open (header, chunks)": png_open,
-        "PNG decode (open + load)": png_decode,
+        "PNG decode (Pillow: open + load)": png_decode,
         "resize 256->224 (not on the 224 path)": (
             lambda i: big.resize((224, 224), Image.Resampling.BILINEAR)
         ),
@@ -134,6 +140,11 @@ def step_functions(model: Any, bodies: list[str]) -> dict[str, Callable[[int], o
             ).model_dump_json()
         ),
     }
+    spng_decode = imaging._spng_decode
+    if spng_decode is not None:
+        steps["PNG decode (libspng via imagecodecs, `fast`)"] = lambda i: spng_decode(raws[i % n])
+    # Without the `fast` extra, pybase64 is absent too and the step above times binascii again.
+    return {name: steps[name] for name in STEP_NAMES if name in steps}
 
 
 #: the steps one request goes through in the explicit loop, in order (prepare_sample total
@@ -167,7 +178,7 @@ def step_costs(model: Any, bodies: list[str], log: Log) -> list[dict[str, Any]]:
         log(f"[profile] {name}: {wall_us:.0f} µs/tile wall, {cpu_us:.0f} µs CPU")
     noop = measure_overhead("scheduler-asyncio", OverheadConfig(requests=5000, concurrency=64))
     rows.insert(
-        7,
+        next(i for i, row in enumerate(rows) if row["step"].startswith("stack")),
         {
             "step": "scheduler (no-op batch fn, 64 in flight, asyncio)",
             "us_per_tile": 1e6 / noop.throughput,
@@ -206,6 +217,8 @@ _LINE_STEPS: dict[str, dict[int, str]] = {}
 _LINE_PATTERNS: dict[str, tuple[tuple[str, str], ...]] = {
     "models/imaging.py": (
         ("a2b_base64", "base64 decode"),
+        ("b64decode(", "base64 decode"),
+        ("_spng_decode(", "PNG decode"),
         ("frombuffer", "tensor build"),
         (".permute(", "tensor build"),
         ("Image.open", "PNG decode"),
