@@ -50,3 +50,10 @@ def client(tiny_model: ServerModel) -> Iterator[InProcessClient]:
 def explicit_client(tiny_model: ServerModel) -> Iterator[InProcessClient]:
     with InProcessClient(tiny_model, max_batch_size=8, dynamic_batching=False) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: ServerModel) -> Iterator[InProcessClient]:
+    """Explicit batching (no scheduler): the expected outputs, one client per test module."""
+    with InProcessClient(tiny_model, dynamic_batching=False) as c:
+        yield c

@@ -18,9 +18,10 @@ import httpx
 import pytest
 from helpers import make_body, outputs_close, request_dict, tile_bytes
 from prometheus_client.parser import text_string_to_metric_families
-from test_server_support import FlakyModel, ServerProcess, white_body
+from test_server_support import FlakyModel, serve, white_body
 
 from histoinfer import HttpClient, InProcessClient
+from histoinfer.bench.loopback import ServerProcess
 from histoinfer.errors import InferenceError
 
 pytestmark = pytest.mark.timeout(120)
@@ -79,7 +80,7 @@ def server(tiny_checkpoint: Any) -> Iterator[ServerProcess]:
     args = ["--model", "h1", "--checkpoint", str(tiny_checkpoint)]
     args += ["--model", "flaky=h1-flaky", "--checkpoint", str(tiny_checkpoint)]
     args += ["--max-batch-size", "16", "--max-wait-ms", "5", "--max-queue", "256"]
-    with ServerProcess(args, script=True) as s:
+    with serve(args, script=True) as s:
         yield s
 
 

@@ -18,9 +18,10 @@ import anyio
 import httpx
 import pytest
 from helpers import make_body, outputs_close, request_dict
-from test_server_support import HERE, SRC, ServerProcess, free_port
+from test_server_support import HERE, SRC, free_port, serve
 
-from histoinfer import HttpClient, InProcessClient
+from histoinfer import HttpClient
+from histoinfer.bench.loopback import ServerProcess
 from histoinfer.cli import main
 
 pytestmark = pytest.mark.timeout(120)
@@ -31,14 +32,8 @@ def trio_server(tiny_checkpoint: Path) -> Iterator[ServerProcess]:
     args = ["--server", "hypercorn", "--backend", "trio", "--max-batch-size", "8"]
     args += ["--model", "h1", "--checkpoint", str(tiny_checkpoint)]
     args += ["--model", "second=h1", "--checkpoint", str(tiny_checkpoint)]
-    with ServerProcess(args) as server:
+    with serve(args) as server:
         yield server
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model: Any) -> Iterator[InProcessClient]:
-    with InProcessClient(tiny_model, dynamic_batching=False) as c:
-        yield c
 
 
 def test_hypercorn_on_trio_serves_several_models(trio_server, reference):
@@ -93,7 +88,7 @@ def in_flight(base_url: str) -> float:
 )
 def test_sigterm_lets_in_flight_requests_finish_and_refuses_new_ones(tiny_checkpoint, server_args):
     args = ["--model", "h1=h1-slow", "--checkpoint", str(tiny_checkpoint), *server_args]
-    with ServerProcess(args, script=True) as server:
+    with serve(args, script=True) as server:
         url = server.base_url + "/api/predict/h1"
         outcome: dict[str, Any] = {}
 

@@ -1,7 +1,7 @@
 """Helpers for the server tests: real servers on loopback, and test models.
 
-- :class:`ServerProcess`: ``histoinfer serve`` in a subprocess on a free port, waited for on
-  ``/health/ready`` with a deadline, always killed on exit.
+- :func:`serve`: ``histoinfer serve`` in a subprocess on a free port, waited for on
+  ``/health/ready`` with a deadline, always stopped on exit (the bench's ``ServerProcess``).
 - :class:`ThreadServer`: uvicorn in a thread of the test process (no second torch import).
 - ``SlowModel`` / ``FlakyModel``: the tiny h1 with a slow decode for ``slide_name="slow-S"``
   (sleeps S seconds) and a forward pass that fails on an all-white tile.
@@ -16,21 +16,16 @@ import base64
 import contextlib
 import io
 import os
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import httpx
 import torch
 from PIL import Image
 
+from histoinfer.bench.loopback import ServerProcess, free_port, wait_ready
 from histoinfer.models import register_model
 from histoinfer.models.h1 import H1ServerModel
 from histoinfer.schema import Mode, ModelRequest
@@ -81,72 +76,11 @@ def white_body(i: int = 0, size: int = 224) -> str:
     )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_ready(base_url: str, deadline_s: float, alive: Any = None) -> None:
-    """Poll ``/health/ready`` until 200; fail with the reason at the deadline."""
-    deadline = time.monotonic() + deadline_s
-    last = "no answer"
-    while time.monotonic() < deadline:
-        if alive is not None and not alive():
-            raise RuntimeError("the server exited before it was ready")
-        try:
-            r = httpx.get(base_url + "/health/ready", timeout=2.0)
-            if r.status_code == 200:
-                return
-            last = f"{r.status_code} {r.text}"
-        except httpx.TransportError as exc:
-            last = repr(exc)
-        time.sleep(0.1)
-    raise TimeoutError(f"{base_url} not ready after {deadline_s} s: {last}")
-
-
-class ServerProcess:
-    """``histoinfer serve`` (or this file as a script) in a subprocess on a free port."""
-
-    def __init__(self, args: Sequence[str], *, script: bool = False, ready_s: float = 90.0):
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile(prefix="histoinfer-serve-", suffix=".log")  # noqa: SIM115 (closed in stop)
-        launcher = [str(HERE)] if script else ["-m", "histoinfer"]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), str(HERE.parent)])}
-        self.proc = subprocess.Popen(
-            [sys.executable, *launcher, "serve", *args, "--port", str(self.port)],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-        try:
-            wait_ready(self.base_url, ready_s, alive=lambda: self.proc.poll() is None)
-        except BaseException:
-            self.stop()
-            raise RuntimeError(f"server did not start:\n{self.output()}") from None
-
-    def output(self) -> str:
-        return Path(self.log.name).read_text(errors="replace")
-
-    def terminate(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=15)
-        self.log.close()
-
-    def __enter__(self) -> ServerProcess:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+def serve(args: Sequence[str], *, script: bool = False, ready_s: float = 90.0) -> ServerProcess:
+    """``histoinfer serve ARGS`` (``script``: this file, with the test models) on a free port."""
+    launcher = [str(HERE)] if script else ["-m", "histoinfer"]
+    env = {"PYTHONPATH": os.pathsep.join([str(SRC), str(HERE.parent)])}
+    return ServerProcess(args, launcher=launcher, env=env, ready_timeout=ready_s)
 
 
 class ThreadServer:

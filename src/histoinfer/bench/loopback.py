@@ -1,23 +1,26 @@
 """The HTTP loopback path's server: ``histoinfer serve`` as a subprocess on a free local port.
 
+The test suite starts its servers with the same :class:`ServerProcess` (and :func:`wait_ready`).
+
 The microservice and ``HttpClient`` may not exist yet in a given checkout: :func:`http_unavailable`
 says why the path must be skipped, and the harness reports that instead of failing.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["ServerProcess", "http_unavailable", "parse_metrics"]
+__all__ = ["ServerProcess", "free_port", "http_unavailable", "parse_metrics", "wait_ready"]
 
 
 def http_unavailable() -> str | None:
@@ -46,79 +49,93 @@ def free_port() -> int:
         return port
 
 
+def wait_ready(base_url: str, timeout: float, alive: Callable[[], bool] | None = None) -> None:
+    """Poll ``/health/ready`` until it answers 200; raise with the last answer at the deadline.
+
+    ``alive`` (if given) says whether the server is still running: once it is not, stop waiting.
+    """
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    last = "no answer"
+    while time.monotonic() < deadline:
+        if alive is not None and not alive():
+            raise RuntimeError("the server exited before it was ready")
+        try:
+            response = httpx.get(f"{base_url}/health/ready", timeout=2.0)
+        except httpx.TransportError as exc:
+            last = repr(exc)
+        else:
+            if response.status_code == 200:
+                return
+            last = f"{response.status_code} {response.text}"
+        time.sleep(0.1)
+    raise TimeoutError(f"{base_url} not ready after {timeout:g} s: {last}")
+
+
 class ServerProcess:
-    """``histoinfer serve`` for one checkpoint on ``127.0.0.1:<free port>``, until closed."""
+    """``histoinfer serve ARGS --host 127.0.0.1 --port <free port>`` in a subprocess, until closed.
+
+    Started and waited for (``/health/ready``) on construction; the output (stdout and stderr)
+    goes to a temporary file, read with :meth:`output`. ``launcher`` replaces ``-m histoinfer``
+    (e.g. a script that registers more models first); ``env`` is added to this process's
+    environment. :meth:`close` (or leaving the ``with`` block) sends SIGTERM, then kills.
+    """
 
     def __init__(
         self,
-        checkpoint: Path,
+        args: Sequence[str],
         *,
-        max_batch_size: int,
-        max_wait_ms: float,
-        model: str = "h1",
+        launcher: Sequence[str] = ("-m", "histoinfer"),
+        env: Mapping[str, str] | None = None,
         ready_timeout: float = 90.0,
     ) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.model = model
-        command = [
-            sys.executable,
-            "-m",
-            "histoinfer",
-            "serve",
-            "--model",
-            model,
-            "--checkpoint",
-            str(checkpoint),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--max-batch-size",
-            str(max_batch_size),
-            "--max-wait-ms",
-            str(max_wait_ms),
-        ]
-        self.command = command
-        self._log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - lives as long as the server
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self._process = subprocess.Popen(
-            command, stdout=self._log, stderr=subprocess.STDOUT, env=env
+        self.command = [sys.executable, *launcher, "serve", *args]
+        self.command += ["--host", "127.0.0.1", "--port", str(self.port)]
+        # Read by name, never through this handle: the child shares its file offset.
+        self._log = tempfile.NamedTemporaryFile(prefix="histoinfer-serve-", suffix=".log")  # noqa: SIM115 - lives as long as the server
+        self.proc = subprocess.Popen(
+            self.command,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
         try:
-            self._wait_ready(ready_timeout)
-        except BaseException:
+            wait_ready(self.base_url, ready_timeout, alive=lambda: self.proc.poll() is None)
+        except BaseException as exc:
             self.close()
-            raise
+            raise RuntimeError(
+                f"'histoinfer serve' did not start ({exc}); its output:\n{self.output()}"
+            ) from None
 
-    def _wait_ready(self, timeout: float) -> None:
-        import httpx
+    @classmethod
+    def for_checkpoint(
+        cls, checkpoint: Path, *, max_batch_size: int, max_wait_ms: float, model: str = "h1"
+    ) -> ServerProcess:
+        """One model from one checkpoint, with the batching settings under test."""
+        args = ["--model", model, "--checkpoint", str(checkpoint)]
+        args += ["--max-batch-size", str(max_batch_size), "--max-wait-ms", str(max_wait_ms)]
+        return cls(args)
 
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._process.poll() is not None:
-                raise RuntimeError(
-                    f"'histoinfer serve' exited with code {self._process.returncode}: "
-                    f"{self.log_tail()}"
-                )
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.base_url}/health/ready", timeout=2.0).status_code == 200:
-                    return
-            time.sleep(0.2)
-        raise RuntimeError(f"'histoinfer serve' not ready after {timeout:.0f} s: {self.log_tail()}")
+    def output(self) -> str:
+        """Everything the server has written so far (stdout and stderr)."""
+        try:
+            return Path(self._log.name).read_text(errors="replace")
+        except OSError:  # closed: the file is gone
+            return ""
+
+    def log_tail(self, chars: int = 600) -> str:
+        return self.output()[-chars:].strip().replace("\n", " | ")
 
     def cpu_s(self) -> float:
         """CPU seconds the server process has used (user + system), from /proc; 0 if unknown."""
         try:
-            fields = Path(f"/proc/{self._process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             return 0.0
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def log_tail(self, chars: int = 600) -> str:
-        self._log.seek(0)
-        text = self._log.read()
-        return text[-chars:].strip().replace("\n", " | ")
 
     def metrics(self) -> dict[str, float]:
         import httpx
@@ -129,15 +146,26 @@ class ServerProcess:
             return {}
         return parse_metrics(response.text) if response.status_code == 200 else {}
 
+    def terminate(self) -> None:
+        """Send SIGTERM (the server drains) and return at once."""
+        self.proc.send_signal(signal.SIGTERM)
+
     def close(self) -> None:
-        if self._process.poll() is None:
-            self._process.terminate()
+        """SIGTERM, up to 15 s to exit, then SIGKILL; remove the output file."""
+        if self.proc.poll() is None:
+            self.terminate()
             try:
-                self._process.wait(timeout=15)
+                self.proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait(timeout=5)
+                self.proc.kill()
+                self.proc.wait(timeout=15)
         self._log.close()
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)")

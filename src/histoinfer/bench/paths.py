@@ -247,15 +247,17 @@ class HttpLoopback(BenchPath):
 
     name = "http"
     label = "HTTP loopback (histoinfer serve + HttpClient)"
+    model: ClassVar[str] = "h1"
 
     def unavailable(self) -> str | None:
         return http_unavailable()
 
     def open(self) -> None:
-        self.server = ServerProcess(
+        self.server = ServerProcess.for_checkpoint(
             self.ctx.checkpoint,
             max_batch_size=self.ctx.max_batch_size,
             max_wait_ms=self.ctx.max_wait_ms,
+            model=self.model,
         )
         self.note = f"client: {http_client_kind()}; server: {' '.join(self.server.command[1:])}"
 
@@ -266,7 +268,7 @@ class HttpLoopback(BenchPath):
         return self.server.cpu_s()
 
     def measure(self, bodies: Sequence[str], concurrency: int) -> Sample:
-        base_url, model = self.server.base_url, self.server.model
+        base_url, model = self.server.base_url, self.model
 
         async def run() -> tuple[float, list[float], list[str | None]]:
             client = _http_client(base_url, model)
