@@ -48,12 +48,6 @@ def server(tiny_model: Any) -> Iterator[ThreadServer]:
         yield s
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_model: Any) -> Iterator[InProcessClient]:
-    with InProcessClient(tiny_model, dynamic_batching=False) as c:
-        yield c
-
-
 class Counter:
     """An httpx event hook counting the requests a session sends."""
 
@@ -328,3 +322,208 @@ def test_a_body_over_the_limit_is_refused_with_413_over_a_real_socket(tiny_model
         anyio.run(through_session)
         assert counter.n == 1  # a 413 is final: not retried
         assert json.loads(client.embed(make_body(2)))["patch_idx"] == 2
+
+
+# -- max_in_flight -------------------------------------------------------------------------
+
+
+class PeakCounter:
+    """An ASGI app that answers every request after ``delay`` s, counting those in progress.
+
+    A request stops counting before its answer is sent, so the count never runs ahead of the
+    client's own: a peak above ``max_in_flight`` is the client's doing.
+    """
+
+    def __init__(self, delay: float = 0.05) -> None:
+        self.delay = delay
+        self.now = 0
+        self.peak = 0
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        self.now += 1
+        self.peak = max(self.peak, self.now)
+        try:
+            while (await receive()).get("more_body"):
+                pass
+            await anyio.sleep(self.delay)
+        finally:
+            self.now -= 1
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b'{"ok": true}'})
+
+
+@pytest.fixture(scope="module")
+def counting_server() -> Iterator[tuple[ThreadServer, PeakCounter]]:
+    app = PeakCounter()
+    with thread_server(app) as s:
+        yield s, app
+
+
+async def run_concurrently(call: Any, n: int) -> None:
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            for i in range(n):
+                tg.start_soon(call, make_body(i))
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("max_in_flight", [1, 8, 24])
+async def test_max_in_flight_bounds_the_requests_on_the_wire(counting_server, max_in_flight):
+    """200 concurrent calls, real sockets: the server never sees more than the bound at once
+    (24 spans two connection shards of 12), and sees the bound reached."""
+    server, app = counting_server
+    app.peak = 0
+    async with HttpClient(server.base_url, max_in_flight=max_in_flight) as client:
+        await run_concurrently(client.predict_async, 200 if max_in_flight > 1 else 20)
+        pool = next(iter(client._pools.values()))
+        assert pool.slots is not None and pool.slots.value == max_in_flight  # all given back
+    assert app.peak == max_in_flight
+
+
+@pytest.mark.anyio
+async def test_max_in_flight_none_is_unbounded(counting_server):
+    server, app = counting_server
+    app.peak, app.delay = 0, 1.0  # long enough for all 200 to arrive while the first waits
+    try:
+        async with HttpClient(server.base_url, max_in_flight=None) as client:
+            await run_concurrently(client.predict_async, 200)
+            assert next(iter(client._pools.values())).slots is None
+    finally:
+        app.delay = 0.05
+    assert app.peak > 64  # past the default bound: only the pool's 256 connections limit it
+
+
+def test_max_in_flight_bounds_sync_calls_across_threads(counting_server):
+    server, app = counting_server
+    app.peak = 0
+    errors: list[BaseException] = []
+    with HttpClient(server.base_url, max_in_flight=4) as client:
+
+        def worker() -> None:
+            try:
+                for i in range(3):
+                    client.predict(make_body(i))
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker) for _ in range(32)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert not errors
+    assert app.peak == 4
+
+
+def test_max_in_flight_is_checked():
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="max_in_flight must be a positive int or None"):
+            HttpClient("http://127.0.0.1:1", max_in_flight=bad)  # type: ignore[arg-type]
+
+
+def test_connections_are_split_into_shards_no_larger_than_the_bound():
+    assert http_module._shard_sizes(64) == [16] * 4
+    assert http_module._shard_sizes(24) == [12, 12]
+    assert http_module._shard_sizes(100) == [15, 15] + [14] * 5
+    assert http_module._shard_sizes(1) == [1]
+    sizes = [
+        o["limits"].max_connections for o in HttpClient("http://h", max_in_flight=8)._shard_options
+    ]
+    assert sizes == [8]
+    with HttpClient("http://h", transport=httpx.MockTransport(lambda r: httpx.Response(200))) as c:
+        assert len(c._shard_options) == 1  # the caller's transport: one client, not shards
+
+
+class Gate:
+    """A MockTransport handler: every request waits until ``open`` is set; counts them."""
+
+    def __init__(self) -> None:
+        self.started = 0
+        self.open: anyio.Event | None = None
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.started += 1
+        assert self.open is not None
+        await self.open.wait()
+        return httpx.Response(200, content=request.content)
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_waiter_leaves_no_slot_behind():
+    gate = Gate()
+    gate.open = anyio.Event()
+    transport = httpx.MockTransport(gate)
+    async with HttpClient("http://mock", max_in_flight=2, transport=transport) as client:
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                for i in range(2):  # these two hold both slots
+                    tg.start_soon(client.predict_async, make_body(i))
+                while gate.started < 2:
+                    await anyio.sleep(0.01)
+                slots = next(iter(client._pools.values())).slots
+                assert slots is not None
+                with anyio.move_on_after(0.2) as waited:  # this one waits for a slot...
+                    await client.predict_async(make_body(2))
+                assert waited.cancelled_caught and gate.started == 2  # ...cancelled, unsent
+                assert slots.value == 0 and slots.statistics().tasks_waiting == 0
+                gate.open.set()
+            # A call cancelled while it holds a slot (mid-request) gives it back too.
+            gate.open = anyio.Event()
+            with anyio.move_on_after(0.2):
+                await client.predict_async(make_body(3))
+            assert slots.value == 2
+            gate.open.set()
+            got = [await client.predict_async(make_body(i)) for i in range(4, 6)]
+    assert [json.loads(g)["patch_idx"] for g in got] == [4, 5]
+
+
+@pytest.mark.anyio
+async def test_waiting_for_a_slot_counts_against_the_timeout():
+    gate = Gate()
+    gate.open = anyio.Event()
+    transport = httpx.MockTransport(gate)
+    async with HttpClient("http://mock", max_in_flight=1, timeout=0.3, transport=transport) as c:
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(c.predict_async, make_body(0))
+                while gate.started < 1:
+                    await anyio.sleep(0.01)
+                with pytest.raises(InferenceError, match=r"no answer within 0\.3 s") as err:
+                    await c.predict_async(make_body(1))
+                assert isinstance(err.value.__cause__, httpx.PoolTimeout)
+                gate.open.set()
+
+
+@pytest.mark.anyio
+async def test_a_retry_gives_its_slot_back_while_it_sleeps():
+    """Call A gets a 503 and sleeps 0.5 s before retrying; call B, sent meanwhile through the
+    only slot, is answered within that sleep."""
+    answered: list[str] = []
+    refused = anyio.Event()
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        idx = json.loads(request.content)["patch_idx"]
+        if idx == 0 and not refused.is_set():
+            refused.set()
+            problem = {"type": "https://histoinfer.dev/problems/overloaded", "detail": "busy"}
+            headers = {"content-type": "application/problem+json", "retry-after": "5"}
+            return httpx.Response(503, headers=headers, json=problem)
+        answered.append(f"call {idx}")
+        return httpx.Response(200, content=request.content)
+
+    transport = httpx.MockTransport(handler)
+    async with HttpClient(
+        "http://mock", max_in_flight=1, max_backoff=0.5, transport=transport
+    ) as client:
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(client.predict_async, make_body(0))
+                await refused.wait()
+                with anyio.fail_after(0.4):  # well inside A's 0.5 s backoff
+                    await client.predict_async(make_body(1))
+    assert answered == ["call 1", "call 0"]

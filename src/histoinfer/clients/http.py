@@ -10,19 +10,27 @@ they wait. The sync side uses one thread-safe ``httpx.Client``. An ``httpx.Async
 to the event loop it first runs on, so the async side keeps one pool per running loop (asyncio
 or trio, any number of threads), and closes each pool on its own loop when the loop ends or
 the client is closed.
+
+At most ``max_in_flight`` requests are on the wire at once: per event loop for async calls (an
+``anyio.Semaphore`` in each loop's pool), and across all threads for sync calls (a
+``threading.BoundedSemaphore``). httpcore scans every connection of its pool each time a
+request starts or ends, so a pool of hundreds of busy connections costs the client more CPU than
+the requests themselves; for the same reason each loop's connections are split over several
+``httpx.AsyncClient`` of at most 16 (see :class:`_LoopPool` and ``docs/server.md``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import email.utils
 import json
 import logging
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import quote
@@ -73,11 +81,21 @@ class HttpClient(ClosingContext):
         base_url: the server, e.g. ``"http://127.0.0.1:8080"`` (a path prefix is kept).
         model: the served model's name (its route, ``/api/{mode}/{model}``).
         timeout: seconds for each HTTP request (connect, write, read, pool).
-        max_connections: connection pool size (per event loop for async calls).
+        max_connections: connection pool size (per event loop for async calls); the pool
+            httpx gets is no larger than ``max_in_flight``, which is all it can use.
         retries: how many times a request is sent again after a connection error or a
             502/503/504; 4xx and 500 are never retried.
         backoff: first retry delay in seconds, doubled each attempt (with jitter).
         max_backoff: cap on one retry delay, including the server's ``Retry-After``.
+        max_in_flight: the most requests sent at once per event loop (async calls) and across
+            all threads (sync calls); more callers wait their turn, cancellably, for up to
+            ``timeout`` seconds. ``None``: no bound but ``max_connections``. It exists because
+            httpcore scans its whole pool each time a request starts or ends: 512 concurrent
+            calls over 256 connections spent most of the client's CPU there (loopback, 2 cores:
+            57 tiles/s; with the default 64, and each loop's connections split over pools of
+            16, 279 tiles/s). 64 lets one loop fill a default server batch. A retry gives its
+            slot back while it sleeps (backoff or ``Retry-After``) and waits for one again.
+            Calls through a ``session`` count too. See ``docs/server.md``.
         httpx_options: passed to both ``httpx.Client`` and ``httpx.AsyncClient`` (headers,
             auth, verify, proxy, ...).
     """
@@ -92,10 +110,17 @@ class HttpClient(ClosingContext):
         retries: int = 3,
         backoff: float = 0.1,
         max_backoff: float = 10.0,
+        max_in_flight: int | None = 64,
         **httpx_options: Any,
     ) -> None:
         if retries < 0:
             raise ValueError(f"retries must be >= 0, got {retries}")
+        if max_in_flight is not None and (
+            not isinstance(max_in_flight, int)
+            or isinstance(max_in_flight, bool)
+            or max_in_flight < 1
+        ):
+            raise ValueError(f"max_in_flight must be a positive int or None, got {max_in_flight!r}")
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.timeout = timeout
@@ -103,14 +128,28 @@ class HttpClient(ClosingContext):
         self.retries = retries
         self.backoff = backoff
         self.max_backoff = max_backoff
+        self.max_in_flight = max_in_flight
         self._timeout = httpx.Timeout(timeout)
+        # More connections than requests in flight would only lengthen httpcore's scans.
+        connections = (
+            max_connections if max_in_flight is None else min(max_connections, max_in_flight)
+        )
         self._options: dict[str, Any] = {
             "timeout": self._timeout,
-            "limits": httpx.Limits(
-                max_connections=max_connections, max_keepalive_connections=max_connections
-            ),
+            "limits": _limits(connections),
             **httpx_options,
         }
+        # Each loop's connections are split over several AsyncClients (see _LoopPool), unless
+        # the caller's options fix the transport or the limits themselves.
+        if _SHARDS_FIXED_BY.isdisjoint(httpx_options):
+            self._shard_options = [
+                {**self._options, "limits": _limits(n)} for n in _shard_sizes(connections)
+            ]
+        else:
+            self._shard_options = [self._options]
+        self._sync_slots = (
+            None if max_in_flight is None else threading.BoundedSemaphore(max_in_flight)
+        )
         self._closed = False
         self._lock = threading.Lock()
         self._sync: httpx.Client | None = None
@@ -176,7 +215,7 @@ class HttpClient(ClosingContext):
         for pool in pools:
             pool.request_close()
             if pool.key == here:
-                await pool.client.aclose()  # this loop's pool is closed when we return
+                await pool.aclose_clients()  # this loop's pool is closed when we return
         if sync is not None:
             sync.close()
 
@@ -201,8 +240,11 @@ class HttpClient(ClosingContext):
     async def _infer_async(self, body: str, mode: Mode, session: object | None) -> str:
         self._check_open()
         url = self._url(f"/api/{mode}/{self._model_path}")
-        client = self._async_client(session)
-        response = await self._send_async(client, "POST", url, _encode_body(body), _JSON_HEADERS)
+        content = _encode_body(body)
+        if session is not None and not isinstance(session, httpx.AsyncClient):
+            raise TypeError(f"session must be an httpx.AsyncClient, got {type(session).__name__}")
+        pool = self._loop_pool()
+        response = await self._send_async(pool, session, "POST", url, content, _JSON_HEADERS)
         return _text(response)
 
     def _infer_batch(self, bodies: list[str], mode: Mode) -> list[str]:
@@ -219,9 +261,10 @@ class HttpClient(ClosingContext):
         attempt = _Attempt(self, method, url)
         while True:
             try:
-                response = client.request(
-                    method, url, content=content, headers=headers, timeout=self._timeout
-                )
+                with _slot(self._sync_slots, self.timeout):
+                    response = client.request(
+                        method, url, content=content, headers=headers, timeout=self._timeout
+                    )
             except httpx.HTTPError as exc:
                 delay = attempt.failed(exc)
             except RuntimeError as exc:  # httpx: "the client has been closed"
@@ -235,7 +278,8 @@ class HttpClient(ClosingContext):
 
     async def _send_async(
         self,
-        client: httpx.AsyncClient,
+        pool: _LoopPool,
+        session: httpx.AsyncClient | None,
         method: str,
         url: str,
         content: bytes | None,
@@ -244,9 +288,11 @@ class HttpClient(ClosingContext):
         attempt = _Attempt(self, method, url)
         while True:
             try:
-                response = await client.request(
-                    method, url, content=content, headers=headers, timeout=self._timeout
-                )
+                async with _slot_async(pool.slots, self.timeout):
+                    with pool.lease(session) as client:
+                        response = await client.request(
+                            method, url, content=content, headers=headers, timeout=self._timeout
+                        )
             except httpx.HTTPError as exc:
                 delay = attempt.failed(exc)
             except RuntimeError as exc:
@@ -275,27 +321,26 @@ class HttpClient(ClosingContext):
                 self._sync = httpx.Client(**self._options)
             return self._sync
 
-    def _async_client(self, session: object | None) -> httpx.AsyncClient:
-        if session is not None:
-            if not isinstance(session, httpx.AsyncClient):
-                raise TypeError(
-                    f"session must be an httpx.AsyncClient, got {type(session).__name__}"
-                )
-            return session
+    def _loop_pool(self) -> _LoopPool:
+        """The running loop's pool (its ``httpx.AsyncClient`` objects are made on first use)."""
         key = _loop_key()
         with self._lock:
             if self._closed:
                 raise ClientClosedError("the client is closed")
             pool = self._pools.get(key)
             if pool is not None:
-                return pool.client
+                return pool
             for stale in [k for k, p in self._pools.items() if p.finished()]:
                 del self._pools[stale]
             pool = self._pools[key] = _LoopPool(
-                httpx.AsyncClient(**self._options), key, self._pools, self._lock
+                self._shard_options,
+                self.max_in_flight,
+                key,
+                self._pools,
+                self._lock,
             )
         pool.start_keeper()
-        return pool.client
+        return pool
 
     def _shut(self) -> tuple[httpx.Client | None, list[_LoopPool]]:
         with self._lock:
@@ -304,6 +349,59 @@ class HttpClient(ClosingContext):
             pools = list(self._pools.values())
             self._pools.clear()
         return sync, pools
+
+
+#: The most connections in one ``httpx.AsyncClient``: httpcore's scans grow with the square of
+#: this, and 4 clients of 16 cost the client a quarter of the CPU per request of one of 64.
+_SHARD_CONNECTIONS = 16
+#: ``httpx_options`` with which the caller fixes the transport or the limits: no sharding.
+_SHARDS_FIXED_BY = frozenset({"transport", "mounts", "limits"})
+
+
+def _limits(connections: int) -> httpx.Limits:
+    return httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+
+
+def _shard_sizes(connections: int) -> list[int]:
+    """``connections`` split as evenly as may be into parts of at most ``_SHARD_CONNECTIONS``."""
+    parts = max(1, -(-connections // _SHARD_CONNECTIONS))
+    size, extra = divmod(connections, parts)
+    return [size + 1] * extra + [size] * (parts - extra)
+
+
+@contextlib.contextmanager
+def _slot(slots: threading.BoundedSemaphore | None, timeout: float) -> Iterator[None]:
+    """Hold one of ``max_in_flight`` sync slots while sending (none to hold: ``None``)."""
+    if slots is None:
+        yield
+        return
+    if not slots.acquire(timeout=timeout):
+        raise _no_slot(timeout)
+    try:
+        yield
+    finally:
+        slots.release()
+
+
+@contextlib.asynccontextmanager
+async def _slot_async(slots: anyio.Semaphore | None, timeout: float) -> AsyncIterator[None]:
+    """The same for one loop: waiting is cancellable, and a cancelled waiter holds nothing."""
+    if slots is None:
+        yield
+        return
+    with anyio.move_on_after(timeout) as scope:
+        await slots.acquire()
+    if scope.cancelled_caught:
+        raise _no_slot(timeout)
+    try:
+        yield
+    finally:
+        slots.release()
+
+
+def _no_slot(timeout: float) -> httpx.PoolTimeout:
+    # What httpx raises when its own pool has no connection in time: reported the same way.
+    return httpx.PoolTimeout(f"no request slot (max_in_flight) free within {timeout:g} s")
 
 
 _JSON_HEADERS = {"Content-Type": "application/json", "Accept": _ACCEPT}
@@ -449,7 +547,16 @@ def _loop_key() -> object:
 
 
 class _LoopPool:
-    """An ``httpx.AsyncClient`` bound to one loop, and the keeper task that closes it there.
+    """The ``httpx.AsyncClient`` objects bound to one loop, and the keeper that closes them there.
+
+    ``slots`` bounds the requests in flight on this loop (anyio primitives are loop-bound, so
+    one per loop). The loop's connections are split over several clients ("shards") of at most
+    ``_SHARD_CONNECTIONS``: httpcore scans every connection of a pool, several times, each time
+    a request starts or ends, which over 64 connections costs ~8 ms of CPU per request on
+    asyncio, and over 4 pools of 16 ~2 ms. A request takes the first shard with a free
+    connection, so a lightly used loop makes and keeps one client. Clients are made on first
+    use (each costs tens of ms: its SSL context), and a call through a caller's ``session``
+    needs only the slots. Slots and shards are touched only on this loop's thread.
 
     The keeper sleeps until the loop ends (its tasks are cancelled) or the HttpClient closes
     (it is cancelled from any thread, through the loop's thread-safe callback), then closes the
@@ -458,12 +565,22 @@ class _LoopPool:
 
     def __init__(
         self,
-        client: httpx.AsyncClient,
+        shard_options: list[dict[str, Any]],
+        max_in_flight: int | None,
         key: object,
         registry: dict[object, _LoopPool],
         lock: threading.Lock,
     ) -> None:
-        self.client = client
+        self._shard_options = shard_options
+        self._clients: list[httpx.AsyncClient | None] = [None] * len(shard_options)
+        self._active = [0] * len(shard_options)
+        self._capacity = [o["limits"].max_connections for o in shard_options]
+        self._clients_closed = False
+        self.slots = (
+            None
+            if max_in_flight is None
+            else anyio.Semaphore(max_in_flight, max_value=max_in_flight)
+        )
         self.key = key
         self._registry = registry
         self._registry_lock = lock
@@ -471,6 +588,33 @@ class _LoopPool:
         self._scope: anyio.CancelScope | None = None
         self._closing = False
         self._task: asyncio.Task[None] | None = None  # asyncio holds tasks weakly
+
+    @contextlib.contextmanager
+    def lease(self, session: httpx.AsyncClient | None) -> Iterator[httpx.AsyncClient]:
+        """The client to send one request through: the caller's ``session``, or a shard."""
+        if session is not None:
+            yield session
+            return
+        active, capacity = self._active, self._capacity
+        i = next((i for i, n in enumerate(active) if n < capacity[i]), None)
+        if i is None:  # only without max_in_flight: queue where the fewest wait
+            i = min(range(len(active)), key=lambda j: active[j] - capacity[j])
+        client = self._clients[i]
+        if client is None:
+            if self._clients_closed:  # never open a pool that nothing would close
+                raise ClientClosedError("the client is closed")
+            client = self._clients[i] = httpx.AsyncClient(**self._shard_options[i])
+        active[i] += 1
+        try:
+            yield client
+        finally:
+            active[i] -= 1
+
+    async def aclose_clients(self) -> None:
+        self._clients_closed = True
+        for client in self._clients:
+            if client is not None:
+                await client.aclose()
 
     def start_keeper(self) -> None:
         if sniffio.current_async_library() == "trio":
@@ -493,7 +637,7 @@ class _LoopPool:
         finally:
             with anyio.CancelScope(shield=True):
                 try:
-                    await self.client.aclose()
+                    await self.aclose_clients()
                 except Exception:  # a trio system task must not raise
                     log.debug("closing an HTTP pool failed", exc_info=True)
             with self._registry_lock:
