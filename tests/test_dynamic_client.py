@@ -9,6 +9,7 @@ import base64
 import io
 import json
 import random
+import threading
 from typing import Any
 
 import anyio
@@ -139,22 +140,26 @@ _BAD_BODIES = [
 ]
 
 
+async def _outcome(
+    results: dict[str, Any], key: str, client: InProcessClient, i: int, text: str | None
+) -> None:
+    """Store the response to ``call(client, i, text)``, or the exception it raised."""
+    try:
+        results[key] = await call(client, i, text)
+    except Exception as exc:
+        results[key] = exc
+
+
 async def test_bad_requests_fail_alone(client: InProcessClient, tiny_model: ServerModel) -> None:
     good = list(range(24))
     results: dict[str, Any] = {}
 
-    async def one(key: str, i: int, text: str | None) -> None:
-        try:
-            results[key] = await call(client, i, text)
-        except Exception as exc:
-            results[key] = exc
-
     with anyio.fail_after(60):
         async with anyio.create_task_group() as tg:
             for i in good:
-                tg.start_soon(one, f"good{i}", i, None)
+                tg.start_soon(_outcome, results, f"good{i}", client, i, None)
                 if i < len(_BAD_BODIES):
-                    tg.start_soon(one, f"bad{i}", i, _BAD_BODIES[i])
+                    tg.start_soon(_outcome, results, f"bad{i}", client, i, _BAD_BODIES[i])
     for i in range(len(_BAD_BODIES)):
         assert isinstance(results[f"bad{i}"], InvalidRequestError), results[f"bad{i}"]
     for i, answer in zip(good, expected(tiny_model, good), strict=True):
@@ -164,6 +169,48 @@ async def test_bad_requests_fail_alone(client: InProcessClient, tiny_model: Serv
     assert sum(s.samples for s in stats.values()) == len(good)
     assert sum(s.errors for s in stats.values()) == 0
     assert _settled(client)
+
+
+async def test_queued_bodies_are_decoded_in_chunks_and_a_bad_one_fails_alone(
+    monkeypatch: pytest.MonkeyPatch, tiny_model: ServerModel
+) -> None:
+    """Bodies that queue up for the decode thread are decoded a chunk per thread hop; a bad
+    body in a chunk fails alone, and a lone request is not held for company."""
+    from histoinfer.clients import inprocess
+
+    chunks: list[int] = []
+    gate = threading.Event()
+    real_decode = inprocess._decode_chunk
+
+    def watched_decode(model: ServerModel, jobs: list[Any]) -> list[Any]:
+        chunks.append(len(jobs))
+        gate.wait(30)  # the first chunk holds the decode thread while the others queue up
+        return real_decode(model, jobs)
+
+    monkeypatch.setattr(inprocess, "_decode_chunk", watched_decode)
+    good = list(range(12))
+    results: dict[str, Any] = {}
+
+    with InProcessClient(tiny_model, max_batch_size=16, prepare_threads=1) as client:
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_outcome, results, "good0", client, 0, None)
+                await wait_until(lambda: len(chunks) == 1)
+                for i in good[1:]:
+                    tg.start_soon(_outcome, results, f"good{i}", client, i, None)
+                    if i <= len(_BAD_BODIES):
+                        bad = _BAD_BODIES[i - 1]
+                        tg.start_soon(_outcome, results, f"bad{i}", client, i, bad)
+                [decoder] = client._loops.get().decoders
+                await wait_until(lambda: decoder.queue_depth == len(good) - 1 + len(_BAD_BODIES))
+                gate.set()
+            # The lone first body went alone; the 16 queued behind it went 8 to a hop.
+            assert chunks == [1, inprocess.DECODE_CHUNK, inprocess.DECODE_CHUNK]
+            for i in range(1, len(_BAD_BODIES) + 1):
+                assert isinstance(results[f"bad{i}"], InvalidRequestError), results[f"bad{i}"]
+            for i, answer in zip(good, expected(tiny_model, good), strict=True):
+                assert outputs_close(results[f"good{i}"], answer)
+            assert _settled(client)
 
 
 _POISON = 13  # a tile whose every byte is 13 makes the forward pass raise
