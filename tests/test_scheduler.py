@@ -65,6 +65,43 @@ async def test_requests_arriving_during_a_batch_form_the_next_one() -> None:
     assert results[7] == 70
 
 
+async def test_the_next_batch_is_handed_over_before_the_last_batch_callers_wake() -> None:
+    """Woken first, the callers of a finished batch would run (and serialize their responses)
+    while the device idles: they wake once the next batch is on its way to the thread."""
+    results: dict[int, Any] = {}
+    woken: dict[str, int] = {}
+    with HeldBatchFn() as fn, anyio.fail_after(10):
+        sched = BatchScheduler(fn, max_batch_size=16, max_wait_ms=5)
+
+        async def first() -> None:
+            results[100] = await sched.submit(100)
+            woken["queued"] = sched.queue_depth
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(first)
+            await wait_until(lambda: fn.calls == 1)
+            for i in range(3):
+                spawn_submit(tg, sched.submit, i, results)
+            await wait_until(lambda: sched.queue_depth == 3)
+            fn.allow()  # the first batch ends; the second is held
+            await wait_until(lambda: "queued" in woken)
+            assert woken["queued"] == 0  # the second batch was dispatched before it woke
+            assert results == {100: 1000}  # ... and still runs: its callers wait
+            fn.release_all()
+    assert fn.batches[0] == [100] and sorted(fn.batches[1]) == [0, 1, 2]  # trio: any order
+    assert results == {100: 1000, 0: 0, 1: 10, 2: 20}
+
+
+async def test_a_lone_batch_callers_are_not_held_for_a_next_batch() -> None:
+    """With nothing queued behind it, a finished batch's callers wake at once."""
+    with HeldBatchFn(held=False) as fn, anyio.fail_after(10):
+        sched = BatchScheduler(fn, max_batch_size=16, max_wait_ms=5)
+        assert await sched.submit(3) == 30
+        assert await sched.submit(4) == 40
+        await sched.aclose()
+    assert fn.batches == [[3], [4]]
+
+
 async def test_order_is_fifo() -> None:
     order = list(range(1, 13))
     random.Random(3).shuffle(order)
