@@ -55,16 +55,13 @@ def _with_autocast(model: Any, device: str, dtype: str | None) -> None:
 
 
 def _raw(model: Any, tiles: Sequence[torch.Tensor], batch: int) -> tuple[float, float]:
-    stacks = [
-        model.on_device(torch.stack, list(tiles[i : i + batch]))
-        for i in range(0, len(tiles), batch)
-    ]
-    model.on_device(model.forward_batch, stacks[0], "predict")  # warm-up at this shape
+    stacks = [torch.stack(list(tiles[i : i + batch])) for i in range(0, len(tiles), batch)]
+    model.forward_batch(stacks[0], "predict")  # warm-up at this shape
     t0 = time.perf_counter()
     latencies = []
     for stack in stacks:
         s0 = time.perf_counter()
-        model.on_device(model.forward_batch, stack, "predict")
+        model.forward_batch(stack, "predict")
         latencies.append(time.perf_counter() - s0)
     wall = time.perf_counter() - t0
     return len(tiles) / wall, sorted(latencies)[int(0.95 * (len(latencies) - 1))]

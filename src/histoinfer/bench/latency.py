@@ -49,7 +49,7 @@ class LoneLatency:
             out = []
             for batch in batches:
                 t0 = clock()
-                self.model.on_device(self.model.forward_batch, batch, "predict")
+                self.model.forward_batch(batch, "predict")
                 out.append(clock() - t0)
             return out
         if variant == "pipeline-1":

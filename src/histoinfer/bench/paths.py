@@ -82,17 +82,13 @@ class RawForward(BenchPath):
     def measure(self, bodies: Sequence[str], concurrency: int) -> Sample:
         model = self.ctx.server_model
         chunk = min(concurrency, self.ctx.max_batch_size)
-        # Stacked on the device's thread, like everything torch: see models/device.py.
-        batches = [
-            model.on_device(torch.stack, [self.ctx.tiles[i] for i in r])
-            for r in _chunks(len(bodies), chunk)
-        ]
+        batches = [torch.stack([self.ctx.tiles[i] for i in r]) for r in _chunks(len(bodies), chunk)]
         latencies: list[float] = []
         clock = time.perf_counter
         started = clock()
         for batch in batches:
             t0 = clock()
-            model.on_device(model.forward_batch, batch, "predict")
+            model.forward_batch(batch, "predict")
             latencies.extend([clock() - t0] * len(batch))
         wall = clock() - started
         return Sample(len(bodies), wall, latencies, len(batches), len(bodies), wall)

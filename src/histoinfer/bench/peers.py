@@ -47,10 +47,7 @@ class Pipeline:
 
     def forward(self, tiles: Sequence[torch.Tensor]) -> list[SampleOutput]:
         started = time.perf_counter()
-        model, mode = self.model, self.mode
-        outputs = model.on_device(
-            lambda: model.forward_batch(torch.stack(list(tiles)), mode)
-        ).split()
+        outputs = self.model.forward_batch(torch.stack(list(tiles)), self.mode).split()
         elapsed = time.perf_counter() - started
         with self._lock:
             self.batches += 1

@@ -98,10 +98,8 @@ def step_functions(model: Any, bodies: list[str]) -> dict[str, Callable[[int], o
         torch.randint(0, 256, (256, 256, 3), dtype=torch.uint8, generator=generator).numpy()
     )
     tiles = [model.prepare_sample(r) for r in requests]
-    batch64 = [
-        model.on_device(torch.stack, [tiles[(k + j) % n] for j in range(64)]) for k in range(4)
-    ]
-    outputs = model.on_device(model.forward_batch, batch64[0], "predict")
+    batch64 = [torch.stack([tiles[(k + j) % n] for j in range(64)]) for k in range(4)]
+    outputs = model.forward_batch(batch64[0], "predict")
     samples = outputs.split()
 
     def png_open(i: int) -> None:
@@ -130,15 +128,11 @@ def step_functions(model: Any, bodies: list[str]) -> dict[str, Callable[[int], o
         ),
         "tensor build (tobytes + frombuffer)": tensor,
         "prepare_sample total (base64..tensor)": lambda i: model.prepare_sample(requests[i % n]),
-        "stack (batch of 64)": lambda i: model.on_device(
-            torch.stack, [tiles[(i + j) % n] for j in range(64)]
-        ),
+        "stack (batch of 64)": lambda i: torch.stack([tiles[(i + j) % n] for j in range(64)]),
         "forward (batch of 64, incl. normalize)": (
-            lambda i: model.on_device(model.forward_batch, batch64[i % 4], "predict")
+            lambda i: model.forward_batch(batch64[i % 4], "predict")
         ),
-        "forward (batch of 1)": lambda i: model.on_device(
-            model.forward_batch, tiles[i % n].unsqueeze(0), "predict"
-        ),
+        "forward (batch of 1)": lambda i: model.forward_batch(tiles[i % n].unsqueeze(0), "predict"),
         "split (.tolist, batch of 64)": lambda i: outputs.split(),
         "postprocess + JSON out": (
             lambda i: model.postprocess(
@@ -232,6 +226,7 @@ _LINE_PATTERNS: dict[str, tuple[tuple[str, str], ...]] = {
     ),
     "clients/inprocess.py": (
         ("torch.stack(", "stack"),
+        ("_device_lock", "device lock wait"),
         (".split()", "split (.tolist)"),
     ),
 }

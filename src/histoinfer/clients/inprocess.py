@@ -5,7 +5,7 @@ One request's path, top to bottom:
     body (JSON str) -> parse + check + decode   [worker thread, bounded]   (_prepare)
                        (dynamic mode: bodies that queue up are decoded a chunk per thread hop)
                     -> BatchScheduler of this loop and mode             (dynamic mode)
-                    -> stack + forward + split  [the device's own thread]   (_forward)
+                    -> stack + forward + split  [forward thread, device lock] (_forward)
                     -> postprocess + JSON       [caller]                  (_finish)
 
 The microservice runs this same client, so in-process and remote behave the same by construction.
@@ -61,22 +61,31 @@ Prepared = tuple[ModelRequest, torch.Tensor]
 Decoded = Prepared | InvalidRequestError
 
 # Most bodies decoded in one worker-thread hop. A hop costs ~140 µs of CPU on asyncio and
-# ~165 µs on trio (wake-ups and handoffs, measured: docs/benchmarks.md), a seventh of a decode;
+# ~165 µs on trio (wake-ups and handoffs, measured: docs/benchmarks.md), a tenth of a decode;
 # chunks only form when bodies queue up, so a lone request still takes one hop on its own.
 DECODE_CHUNK = 8
 
+# One forward pass at a time per device, across every loop, thread and client (SPEC §5).
+_DEVICE_LOCKS: dict[str, threading.Lock] = {}
+_DEVICE_LOCKS_GUARD = threading.Lock()
 
-def _forward(model: ServerModel, tiles: list[torch.Tensor], mode: Mode) -> list[SampleOutput]:
-    """Stack, run on the device's thread (one pass at a time per device), split per sample.
+
+def device_lock(device: torch.device) -> threading.Lock:
+    with _DEVICE_LOCKS_GUARD:
+        return _DEVICE_LOCKS.setdefault(str(device), threading.Lock())
+
+
+def _forward(
+    model: ServerModel, lock: threading.Lock, tiles: list[torch.Tensor], mode: Mode
+) -> list[SampleOutput]:
+    """Stack, run on the device (one pass at a time per device), split per sample.
 
     A function of the model, not a method of the client: schedulers hold it for their loop's
     lifetime, and must not keep the client alive.
     """
-    return model.on_device(_forward_here, model, tiles, mode)
-
-
-def _forward_here(model: ServerModel, tiles: list[torch.Tensor], mode: Mode) -> list[SampleOutput]:
-    output = model.forward_batch(torch.stack(tiles), mode)
+    batch = torch.stack(tiles)
+    with lock:
+        output = model.forward_batch(batch, mode)
     samples = output.split()
     if len(samples) != len(tiles):
         raise RuntimeError(f"forward_batch returned {len(samples)} rows for {len(tiles)} tiles")
@@ -109,7 +118,7 @@ class _LoopState:
     """What one event loop needs: its schedulers (one per mode) and its thread limiters.
 
     asyncio primitives bind to the first loop that waits on them, so nothing here is shared
-    between loops; only thread-safe things (the device thread, the stats) are. It holds the
+    between loops; only thread-safe things (the device lock, the stats) are. It holds the
     client weakly (see the module docstring).
     """
 
@@ -148,7 +157,7 @@ class _LoopState:
                 raise ClientClosedError("the client was garbage-collected")
             loops, key = client._loops, self._key
             scheduler = self.schedulers[mode] = BatchScheduler(
-                partial(_forward, client.server_model, mode=mode),
+                partial(_forward, client.server_model, client._device_lock, mode=mode),
                 max_batch_size=client.max_batch_size,
                 max_wait_ms=client.max_wait_ms,
                 max_queue=client.max_queue,
@@ -221,6 +230,7 @@ class InProcessClient(ClosingContext):
         self.request_timeout = request_timeout
         self._wait_for_room = overload == "wait"
         self._model_name = server_model.metadata().name
+        self._device_lock = device_lock(server_model.device)
         self._stats = {mode: BatchStats() for mode in MODES}
         self._loops: PerLoop[_LoopState] = PerLoop(partial(_LoopState, weakref.ref(self)))
         # Dropped without close(): end the runner tasks in their loops rather than leave them
@@ -381,6 +391,7 @@ class InProcessClient(ClosingContext):
                     [output] = await anyio.to_thread.run_sync(
                         _forward,
                         self.server_model,
+                        self._device_lock,
                         [tile],
                         mode,
                         limiter=state.forward_limiter,
@@ -434,7 +445,9 @@ class InProcessClient(ClosingContext):
         stats = self._stats[mode]
         started = time.perf_counter()
         try:
-            outputs = _forward(self.server_model, [tile for _, tile in chunk], mode)
+            outputs = _forward(
+                self.server_model, self._device_lock, [tile for _, tile in chunk], mode
+            )
         except Exception as exc:
             stats.record_error(type(exc).__name__)
             raise self._isolate_failures(chunk, mode, offset, exc) from exc
@@ -448,7 +461,7 @@ class InProcessClient(ClosingContext):
         failing = []
         for i, (request, tile) in enumerate(chunk):
             try:
-                _forward(self.server_model, [tile], mode)
+                _forward(self.server_model, self._device_lock, [tile], mode)
             except Exception as single:
                 failing.append(f"batch position {offset + i} ({request.where()}): {single!r}")
         if not failing:

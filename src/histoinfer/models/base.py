@@ -7,10 +7,10 @@ one sample's output back into a :class:`ModelResponse` (``postprocess``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, ParamSpec, Self, TypeVar
+from typing import ClassVar, Self
 
 import torch
 
@@ -24,13 +24,9 @@ from .checkpoint import (
     load_checkpoint,
     sniff_kind,
 )
-from .device import device_thread
 from .imaging import decode_tile
 
 __all__ = ["BatchOutput", "SampleOutput", "ServerModel"]
-
-P = ParamSpec("P")
-T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +89,6 @@ class ServerModel:
         self.checkpoint = checkpoint
         self.assets = assets
         self.device = torch.device(device)
-        self._device_thread = device_thread(self.device)
         mean = torch.tensor(assets.mean, dtype=torch.float32).view(1, 3, 1, 1)
         std = torch.tensor(assets.std, dtype=torch.float32).view(1, 3, 1, 1)
         # (x / 255 - mean) / std  ==  x * scale + shift: one fused pass over the batch.
@@ -115,10 +110,7 @@ class ServerModel:
         # as a missing model.json beside it. Its kind is sniffed before the slow assets check.
         sniff_kind(checkpoint_path)
         assets = load_assets(assets_dir if assets_dir is not None else checkpoint_path.parent)
-        # Loaded on the device's thread too: copying the weights runs torch ops, and the first
-        # thread to run any starts an OpenMP team (see models/device.py).
-        thread = device_thread(device)  # a bad device name is load_checkpoint's to report
-        return thread.run(lambda: cls(load_checkpoint(checkpoint_path, device), assets, device))
+        return cls(load_checkpoint(checkpoint_path, device), assets, device)
 
     # -- the four steps -------------------------------------------------------------------
 
@@ -194,11 +186,6 @@ class ServerModel:
             embedding=output.embedding if mode == "predict_with_embedding" else None,
         )
 
-    def on_device(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
-        """Run ``fn`` on this device's thread (see :mod:`histoinfer.models.device`): every
-        forward pass on a device goes through it, one at a time, across clients and loops."""
-        return self._device_thread.run(fn, *args, **kwargs)
-
     # -- helpers --------------------------------------------------------------------------
 
     def _run_program(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,7 +202,7 @@ class ServerModel:
         size = self.assets.tile_size
         probe = torch.zeros(2, 3, size, size, dtype=torch.uint8)
         try:
-            out = self.on_device(self.forward_batch, probe, "predict_with_embedding")
+            out = self.forward_batch(probe, "predict_with_embedding")
         except CheckpointError:
             raise
         except Exception as exc:

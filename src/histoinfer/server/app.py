@@ -29,7 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from starlette.responses import JSONResponse, Response
 
 from .. import __version__
-from ..clients.inprocess import InProcessClient
+from ..clients.inprocess import InProcessClient, device_lock
 from ..errors import ClientClosedError, InvalidRequestError, UnsupportedModeError
 from ..schema import (
     INVOCATION_MODES,
@@ -195,9 +195,10 @@ def warm_up(client: InProcessClient) -> None:
         height=size,
         patch_idx=0,
     )
-    batch = model.on_device(torch.stack, [model.prepare_sample(request)])
+    tile = model.prepare_sample(request)
     for mode in meta.modes:
-        output = model.on_device(model.forward_batch, batch, mode)
+        with device_lock(model.device):
+            output = model.forward_batch(torch.stack([tile]), mode)
         model.postprocess(request, output.split()[0], mode).model_dump_json()
 
 
