@@ -21,7 +21,15 @@ from histoinfer.bench.profile import classify_stack
 from histoinfer.bench.report import write_outputs
 from histoinfer.bench.runner import BenchConfig, run_bench
 
-PATHS = ("raw", "explicit", "dynamic-asyncio", "dynamic-trio", "asyncio-queue", "async-batcher")
+PATHS = (
+    "raw",
+    "explicit",
+    "explicit-parallel",
+    "dynamic-asyncio",
+    "dynamic-trio",
+    "asyncio-queue",
+    "async-batcher",
+)
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import io
+import itertools
 import json
 import re
 import threading
@@ -567,3 +568,57 @@ def test_batch_of_only_bulk_rna_problems_is_unsupported_like_a_single_request(
         explicit_client.predict_batch([make_body(0, bulk_rna=[1.0]), make_body(1, x=-1)])
     assert type(mixed.value) is InvalidRequestError
     assert "batch position 0" in str(mixed.value) and "batch position 1" in str(mixed.value)
+
+
+# -- batch_decode_threads ------------------------------------------------------------------
+
+
+def test_batch_decode_threads_decode_in_parallel_with_the_same_results(
+    monkeypatch: pytest.MonkeyPatch, model: CountingModel
+) -> None:
+    from histoinfer.clients import inprocess
+
+    real_prepare = inprocess._prepare
+    # The first two decodes wait for each other: decoded one after another, the first would
+    # wait alone, and the call would fail (BrokenBarrierError) instead of hanging.
+    together = threading.Barrier(2, timeout=20)
+    calls = itertools.count()
+    threads: set[int] = set()
+
+    def watched_prepare(*args: Any, **kwargs: Any) -> Any:
+        threads.add(threading.get_ident())
+        if next(calls) < 2:
+            together.wait()
+        return real_prepare(*args, **kwargs)
+
+    bodies = [make_body(i) for i in range(10)]
+    with InProcessClient(model, max_batch_size=4, dynamic_batching=False) as serial:
+        expected = serial.predict_with_embedding_batch(bodies)
+    monkeypatch.setattr(inprocess, "_prepare", watched_prepare)
+    with InProcessClient(
+        model, max_batch_size=4, dynamic_batching=False, batch_decode_threads=3
+    ) as parallel:
+        got = parallel.predict_with_embedding_batch(bodies)
+        decoder = parallel._batch_decoder
+        assert decoder is not None
+    assert len(threads) >= 2 and threading.get_ident() not in threads
+    assert got == expected  # same chunks, same order: byte-identical
+    assert parallel._batch_decoder is None and decoder._shutdown  # close() stopped its threads
+
+
+def test_batch_decode_threads_still_name_every_bad_position(model: CountingModel) -> None:
+    bodies = [make_body(0), make_body(1, x=-1), make_body(2), "not json", make_body(4)]
+    with InProcessClient(model, dynamic_batching=False, batch_decode_threads=2) as client:
+        with pytest.raises(InvalidRequestError) as info:
+            client.predict_batch(bodies)
+        assert len(client.predict_batch([bodies[0], bodies[2]])) == 2
+    named = {int(m) for m in re.findall(r"batch position (\d+)", str(info.value))}
+    assert named == {1, 3}
+    assert "2 of 5" in str(info.value)
+    assert model.sizes() == [2]  # only the good batch was computed
+
+
+@pytest.mark.parametrize("value", [0, -1, True, 1.5, "2"])
+def test_batch_decode_threads_is_checked(model: CountingModel, value: Any) -> None:
+    with pytest.raises(ValueError, match="batch_decode_threads"):
+        InProcessClient(model, batch_decode_threads=value)

@@ -8,6 +8,7 @@ requests outstanding.
 
 from __future__ import annotations
 
+import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -145,6 +146,23 @@ class ExplicitLoop(_ClientPath):
             return clock() - started, latencies, responses
 
         return self._with_stats(run)
+
+
+class ExplicitParallelDecode(ExplicitLoop):
+    """The same loop with ``batch_decode_threads`` = the CPU count: a batch's bodies are decoded
+    in parallel before its forward pass (an option, off by default)."""
+
+    name = "explicit-parallel"
+    label = "explicit predict_batch loop, batch_decode_threads = CPU count"
+
+    def open(self) -> None:
+        self.client = InProcessClient(
+            self.ctx.server_model,
+            max_batch_size=self.ctx.max_batch_size,
+            max_wait_ms=self.ctx.max_wait_ms,
+            dynamic_batching=False,
+            batch_decode_threads=os.cpu_count() or 1,
+        )
 
 
 class DynamicAsync(_ClientPath):
@@ -344,6 +362,7 @@ PATHS: dict[str, type[BenchPath]] = {
     for cls in (
         RawForward,
         ExplicitLoop,
+        ExplicitParallelDecode,
         DynamicAsyncio,
         DynamicTrio,
         BatchSizeOne,

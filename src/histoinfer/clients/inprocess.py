@@ -26,6 +26,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -102,16 +103,20 @@ def _prepare(
     return request, model.prepare_sample(request, where)
 
 
+def _prepare_or_refusal(
+    model: ServerModel, body: str | bytes, mode: Mode, position: int | None = None
+) -> Decoded:
+    """:func:`_prepare`, with a bad body's error returned instead of raised."""
+    try:
+        return _prepare(model, body, mode, position)
+    except InvalidRequestError as exc:
+        return exc
+
+
 def _decode_chunk(model: ServerModel, jobs: list[tuple[str | bytes, Mode]]) -> list[Decoded]:
     """The decode stage's batch function: one body's bad input must not fail its neighbours,
     so refusals are returned, not raised (anything else raised is a bug, and is bisected)."""
-    decoded: list[Decoded] = []
-    for body, mode in jobs:
-        try:
-            decoded.append(_prepare(model, body, mode))
-        except InvalidRequestError as exc:
-            decoded.append(exc)
-    return decoded
+    return [_prepare_or_refusal(model, body, mode) for body, mode in jobs]
 
 
 class _LoopState:
@@ -201,6 +206,10 @@ class InProcessClient(ClosingContext):
         request_timeout: seconds from the call until its tile must reach the model (waiting
             for room and preparing included), or :class:`~histoinfer.errors.DeadlineExceededError`;
             ``None`` waits as long as needed. Once dispatched, a request runs to completion.
+        batch_decode_threads: threads that decode the bodies of one ``*_batch`` call (default
+            1: in the calling thread, one after another). More decode a batch in parallel
+            before its forward pass: ~1.25x the throughput of ``predict_batch`` with 2 on 2
+            cores (docs/benchmarks.md). Results are the same either way.
     """
 
     def __init__(
@@ -214,6 +223,7 @@ class InProcessClient(ClosingContext):
         prepare_threads: int | None = None,
         request_timeout: float | None = None,
         overload: Literal["wait", "reject"] = "wait",
+        batch_decode_threads: int = 1,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -221,6 +231,12 @@ class InProcessClient(ClosingContext):
             raise ValueError(f"max_wait_ms must be >= 0, got {max_wait_ms}")
         if overload not in ("wait", "reject"):
             raise ValueError(f"overload must be 'wait' or 'reject', got {overload!r}")
+        if isinstance(batch_decode_threads, bool) or not (
+            isinstance(batch_decode_threads, int) and batch_decode_threads >= 1
+        ):
+            raise ValueError(
+                f"batch_decode_threads must be an int >= 1, got {batch_decode_threads!r}"
+            )
         self.server_model = server_model
         self.max_batch_size = max_batch_size
         self.max_wait_ms = float(max_wait_ms)
@@ -228,6 +244,8 @@ class InProcessClient(ClosingContext):
         self.max_queue = max_queue
         self.prepare_threads = prepare_threads or _default_prepare_threads(server_model.device)
         self.request_timeout = request_timeout
+        self.batch_decode_threads = batch_decode_threads
+        self._batch_decoder: ThreadPoolExecutor | None = None
         self._wait_for_room = overload == "wait"
         self._model_name = server_model.metadata().name
         self._device_lock = device_lock(server_model.device)
@@ -415,11 +433,11 @@ class InProcessClient(ClosingContext):
             self.server_model.check_mode(mode)
             prepared: list[Prepared] = []
             problems: list[InvalidRequestError] = []
-            for position, body in enumerate(bodies):
-                try:
-                    prepared.append(_prepare(self.server_model, body, mode, position))
-                except InvalidRequestError as exc:
-                    problems.append(exc)
+            for decoded in self._decode_batch(bodies, mode):
+                if isinstance(decoded, InvalidRequestError):
+                    problems.append(decoded)
+                else:
+                    prepared.append(decoded)
             if problems:
                 # The class a single request would get when every problem is of that kind
                 # (all bulk_rna: UnsupportedModeError, 400 over HTTP), else the general one.
@@ -440,6 +458,20 @@ class InProcessClient(ClosingContext):
             return responses
         finally:
             self._exit()
+
+    def _decode_batch(self, bodies: list[str], mode: Mode) -> list[Decoded]:
+        """Every body of a ``*_batch`` call, in order; on ``batch_decode_threads`` threads."""
+        decode = partial(_prepare_or_refusal, self.server_model, mode=mode)
+        if self.batch_decode_threads == 1 or len(bodies) < 2:
+            return [decode(body, position=i) for i, body in enumerate(bodies)]
+        with self._portal_lock:
+            if self._batch_decoder is None:
+                self._batch_decoder = ThreadPoolExecutor(
+                    self.batch_decode_threads, thread_name_prefix="histoinfer-batch-decode"
+                )
+                weakref.finalize(self, self._batch_decoder.shutdown, wait=False)
+            pool = self._batch_decoder
+        return list(pool.map(lambda i: decode(bodies[i], position=i), range(len(bodies))))
 
     def _forward_chunk(self, chunk: list[Prepared], mode: Mode, offset: int) -> list[SampleOutput]:
         stats = self._stats[mode]
@@ -498,10 +530,14 @@ class InProcessClient(ClosingContext):
             return self._portal
 
     def _stop_portal(self) -> None:
+        """Stop the portal thread and the batch decoding threads (whatever this client runs)."""
         with self._portal_lock:
             finalizer, self._portal_finalizer, self._portal = self._portal_finalizer, None, None
+            decoder, self._batch_decoder = self._batch_decoder, None
         if finalizer is not None:
             finalizer()
+        if decoder is not None:
+            decoder.shutdown(wait=False)
 
     def _enter(self) -> None:
         with self._idle:
