@@ -62,7 +62,7 @@ Prepared = tuple[ModelRequest, torch.Tensor]
 Decoded = Prepared | InvalidRequestError
 
 # Most bodies decoded in one worker-thread hop. A hop costs ~140 µs of CPU on asyncio and
-# ~165 µs on trio (wake-ups and handoffs, measured: docs/benchmarks.md), a tenth of a decode;
+# ~165 µs on trio (wake-ups and handoffs, measured: docs/benchmarks.md), a seventh of a decode;
 # chunks only form when bodies queue up, so a lone request still takes one hop on its own.
 DECODE_CHUNK = 8
 
@@ -258,7 +258,7 @@ class InProcessClient(ClosingContext):
         self._active = 0
         self._idle = threading.Condition()
         self._portal: PortalThread | None = None
-        self._portal_lock = threading.Lock()
+        self._threads_lock = threading.Lock()
         self._portal_finalizer: weakref.finalize[Any, Any] | None = None
         metadata = server_model.metadata().model_copy(
             update={
@@ -356,13 +356,13 @@ class InProcessClient(ClosingContext):
             log.debug("close() on a thread with a running loop: not waiting for in-flight work")
         else:
             self._wait_idle()
-        self._stop_portal()
+        self._stop_threads()
 
     async def aclose(self) -> None:
         self._mark_closed()
         # Wait in a thread: this loop must keep running its own in-flight requests meanwhile.
         await anyio.to_thread.run_sync(self._wait_idle)
-        await anyio.to_thread.run_sync(self._stop_portal)
+        await anyio.to_thread.run_sync(self._stop_threads)
 
     def __repr__(self) -> str:
         mode = "dynamic" if self.dynamic_batching else "explicit"
@@ -464,14 +464,19 @@ class InProcessClient(ClosingContext):
         decode = partial(_prepare_or_refusal, self.server_model, mode=mode)
         if self.batch_decode_threads == 1 or len(bodies) < 2:
             return [decode(body, position=i) for i, body in enumerate(bodies)]
-        with self._portal_lock:
+        with self._threads_lock:
             if self._batch_decoder is None:
                 self._batch_decoder = ThreadPoolExecutor(
                     self.batch_decode_threads, thread_name_prefix="histoinfer-batch-decode"
                 )
                 weakref.finalize(self, self._batch_decoder.shutdown, wait=False)
             pool = self._batch_decoder
-        return list(pool.map(lambda i: decode(bodies[i], position=i), range(len(bodies))))
+        try:
+            return list(pool.map(lambda i: decode(bodies[i], position=i), range(len(bodies))))
+        except RuntimeError:
+            if self._closed:  # close() from a thread with a running loop stopped the pool
+                raise ClientClosedError("the client is closed") from None
+            raise
 
     def _forward_chunk(self, chunk: list[Prepared], mode: Mode, offset: int) -> list[SampleOutput]:
         stats = self._stats[mode]
@@ -520,7 +525,7 @@ class InProcessClient(ClosingContext):
             raise
 
     def _get_portal(self) -> PortalThread:
-        with self._portal_lock:
+        with self._threads_lock:
             if self._closed:  # never start a portal for a closed client
                 raise ClientClosedError("the client is closed")
             if self._portal is None:
@@ -529,9 +534,9 @@ class InProcessClient(ClosingContext):
                 self._portal_finalizer = weakref.finalize(self, self._portal.stop)
             return self._portal
 
-    def _stop_portal(self) -> None:
+    def _stop_threads(self) -> None:
         """Stop the portal thread and the batch decoding threads (whatever this client runs)."""
-        with self._portal_lock:
+        with self._threads_lock:
             finalizer, self._portal_finalizer, self._portal = self._portal_finalizer, None, None
             decoder, self._batch_decoder = self._batch_decoder, None
         if finalizer is not None:
