@@ -98,12 +98,17 @@ class RawForward(BenchPath):
 class _ClientPath(BenchPath):
     dynamic: ClassVar[bool] = True
 
+    def client_options(self) -> dict[str, Any]:
+        """Tuning beyond the shared settings, for paths that measure an option."""
+        return {}
+
     def open(self) -> None:
         self.client = InProcessClient(
             self.ctx.server_model,
             max_batch_size=self.ctx.max_batch_size,
             max_wait_ms=self.ctx.max_wait_ms,
             dynamic_batching=self.dynamic,
+            **self.client_options(),
         )
 
     def close(self) -> None:
@@ -155,14 +160,8 @@ class ExplicitParallelDecode(ExplicitLoop):
     name = "explicit-parallel"
     label = "explicit predict_batch loop, batch_decode_threads = CPU count"
 
-    def open(self) -> None:
-        self.client = InProcessClient(
-            self.ctx.server_model,
-            max_batch_size=self.ctx.max_batch_size,
-            max_wait_ms=self.ctx.max_wait_ms,
-            dynamic_batching=False,
-            batch_decode_threads=os.cpu_count() or 1,
-        )
+    def client_options(self) -> dict[str, Any]:
+        return {"batch_decode_threads": os.cpu_count() or 1}
 
 
 class DynamicAsync(_ClientPath):
