@@ -137,6 +137,7 @@ class _LoopState:
         # The decode stage: one small scheduler per decode thread, each decoding the bodies
         # that queued up while its previous chunk ran, in one hop. Admission is the forward
         # schedulers' (a caller holds a reservation there while decoding): unbounded here.
+        # Dynamic mode only: batch-size-1 calls decode in one to_thread hop each.
         self.decoders: list[BatchScheduler[tuple[str | bytes, Mode], Decoded]] = [
             BatchScheduler(
                 partial(_decode_chunk, owner.server_model),
@@ -145,7 +146,7 @@ class _LoopState:
                 max_queue=None,
                 name=f"{owner._model_name}:decode-{i}",
             )
-            for i in range(owner.prepare_threads)
+            for i in range(owner.prepare_threads if owner.dynamic_batching else 0)
         ]
         self._client = client
         self._key = key
