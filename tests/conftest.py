@@ -35,7 +35,8 @@ def tiny_checkpoint(tiny_dir: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_checkpoint: Path) -> ServerModel:
-    """One loaded tiny model, shared: ServerModel is stateless after loading."""
+    """One loaded tiny model, shared: after loading, a ServerModel is safe to share (its only
+    state, the CPU input buffer, is leased to one forward pass at a time)."""
     return build_server_model("h1", tiny_checkpoint)
 
 

@@ -17,6 +17,7 @@ import torch
 from ..errors import InvalidRequestError, ModelExecutionError, UnsupportedModeError
 from ..schema import MODES, Mode, ModelMetadata, ModelRequest, ModelResponse
 from .assets import ModelAssets, load_assets
+from .buffers import InputBuffer
 from .checkpoint import (
     CheckpointError,
     LoadedCheckpoint,
@@ -94,6 +95,7 @@ class ServerModel:
         # (x / 255 - mean) / std  ==  x * scale + shift: one fused pass over the batch.
         self._scale = (1.0 / (255.0 * std)).to(self.device)
         self._shift = (-mean / std).to(self.device)
+        self._input_buffer = InputBuffer()
         self._metadata = self._build_metadata()
         self._check_outputs()
 
@@ -149,15 +151,14 @@ class ServerModel:
     def forward_batch(self, batch: torch.Tensor, mode: Mode) -> BatchOutput:
         """Run a stacked ``uint8`` batch ``[B, 3, T, T]`` through the model on its device."""
         # inference_mode is thread-local, and forward passes run on reused worker threads.
-        with torch.inference_mode():
-            # copy=True: normalizing in place must never touch the caller's tensor (a float
-            # batch would otherwise come back as its own normalized, mutated self).
-            x = batch.to(self.device, non_blocking=True).to(torch.float32, copy=True)
+        with torch.inference_mode(), self._input_buffer.lease(batch, self.device) as x:
+            # Normalized into a fresh or leased float tensor: never in place in the caller's
+            # batch (a float batch would otherwise come back as its own normalized self).
             x = x.mul_(self._scale).add_(self._shift)
             predictions, embedding = self._run_program(x)
             return BatchOutput(
-                predictions=predictions.float().cpu() if mode != "embed" else None,
-                embedding=embedding.float().cpu() if mode != "predict" else None,
+                predictions=self._own(predictions.float().cpu()) if mode != "embed" else None,
+                embedding=self._own(embedding.float().cpu()) if mode != "predict" else None,
             )
 
     def postprocess(self, request: ModelRequest, output: SampleOutput, mode: Mode) -> ModelResponse:
@@ -187,6 +188,11 @@ class ServerModel:
         )
 
     # -- helpers --------------------------------------------------------------------------
+
+    def _own(self, output: torch.Tensor) -> torch.Tensor:
+        """``output``, copied if it lives in the leased input buffer (a program that returns
+        its input, or a view of it): the next batch overwrites that buffer."""
+        return output.clone() if self._input_buffer.holds(output) else output
 
     def _run_program(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         result = self.checkpoint.program(x)

@@ -1,0 +1,92 @@
+"""``InputBuffer``: the float batch tensor CPU forward passes reuse instead of re-allocating."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from functools import partial
+
+import torch
+from concurrency_helpers import join_threads, start_threads
+
+from histoinfer import ServerModel
+from histoinfer.models.buffers import InputBuffer
+
+CPU = torch.device("cpu")
+
+
+def tiles(n: int, seed: int = 0, size: int = 8) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, 3, size, size), dtype=torch.uint8, generator=gen)
+
+
+def test_a_lease_is_the_batch_as_float32_and_leaves_the_batch_alone() -> None:
+    buffer = InputBuffer()
+    batch = tiles(3)
+    before = batch.clone()
+    with buffer.lease(batch, CPU) as x:
+        assert x.dtype == torch.float32 and x.shape == batch.shape and x.is_contiguous()
+        assert torch.equal(x, batch.float())
+        x.mul_(2)  # what forward_batch does to it
+    assert torch.equal(batch, before)
+
+
+def test_leases_reuse_one_storage_and_grow_only_for_a_bigger_batch() -> None:
+    buffer = InputBuffer()
+    pointers = []
+    for n, seed in [(4, 0), (4, 1), (2, 2), (4, 3), (6, 4), (5, 5)]:
+        batch = tiles(n, seed)
+        with buffer.lease(batch, CPU) as x:
+            assert torch.equal(x, batch.float())  # a smaller batch sees none of an older one
+            pointers.append(x.untyped_storage().data_ptr())
+    assert len(set(pointers[:4])) == 1  # 4, 4, 2, 4 tiles: one allocation
+    assert pointers[4] == pointers[5]  # grown once for 6 tiles, then reused for 5
+
+
+def test_a_lease_taken_while_the_buffer_is_leased_gets_its_own_tensor() -> None:
+    buffer = InputBuffer()
+    first, second = tiles(2, 0), tiles(2, 1)
+    with buffer.lease(first, CPU) as a, buffer.lease(second, CPU) as b:
+        assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+        assert not buffer.holds(b) and buffer.holds(a) and buffer.holds(a[1:])
+        assert torch.equal(a, first.float()) and torch.equal(b, second.float())
+    with buffer.lease(second, CPU) as c:  # released: the buffer again
+        assert c.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+
+
+def test_concurrent_forward_passes_on_one_model_stay_correct(tiny_model: ServerModel) -> None:
+    batches = [tiles(3, seed, size=224) for seed in range(4)]
+    expected = [tiny_model.forward_batch(b, "predict").predictions for b in batches]
+    got: dict[int, torch.Tensor | None] = {}
+    start = threading.Barrier(4, timeout=30)
+
+    def work(i: int) -> None:
+        start.wait()
+        for _ in range(3):
+            got[i] = tiny_model.forward_batch(batches[i], "predict").predictions
+            assert got[i] is not None and torch.equal(got[i], expected[i])
+
+    threads, errors = start_threads([partial(work, i) for i in range(4)])
+    join_threads(threads)
+    assert not errors, errors
+    assert len(got) == 4
+
+
+def test_outputs_that_are_views_of_the_input_survive_the_next_batch(
+    tiny_model: ServerModel,
+) -> None:
+    # A program may return its (normalized) input or a view of it; the buffer is overwritten
+    # by the next batch, so such outputs must be copied out of it.
+    genes, dim = len(tiny_model.assets.gene_names), tiny_model.assets.embedding_size
+
+    def echo(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        flat = x.flatten(1)
+        return flat[:, :genes], flat[:, :dim]
+
+    model = ServerModel(dataclasses.replace(tiny_model.checkpoint, program=echo), tiny_model.assets)
+    first = model.forward_batch(tiles(2, 0, size=224), "predict_with_embedding")
+    assert first.predictions is not None and first.embedding is not None
+    kept = first.predictions.clone(), first.embedding.clone()
+    model.forward_batch(tiles(2, 1, size=224), "predict_with_embedding")
+    assert torch.equal(first.predictions, kept[0]) and torch.equal(first.embedding, kept[1])
+    assert not model._input_buffer.holds(first.predictions)
