@@ -8,6 +8,7 @@ the JSON, Markdown and PNG outputs are produced and consistent.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -15,11 +16,12 @@ import pytest
 
 from histoinfer.bench.bodies import make_bodies
 from histoinfer.bench.cli import main as bench_main
+from histoinfer.bench.isolation import Isolated, Unavailable
 from histoinfer.bench.loopback import http_unavailable, parse_metrics
 from histoinfer.bench.measure import check_responses
 from histoinfer.bench.profile import classify_stack
 from histoinfer.bench.report import write_outputs
-from histoinfer.bench.runner import BenchConfig, run_bench
+from histoinfer.bench.runner import BenchConfig, PathSpec, open_path, run_bench
 
 PATHS = (
     "raw",
@@ -121,6 +123,7 @@ def test_run_bench_smoke_writes_json_markdown_and_plot(workdir: Path, tmp_path: 
         overhead_requests=400,
         lone_calls=3,
         workdir=str(workdir),
+        isolate=False,  # one process: seven paths in seven processes is slow to start
     )
     lines: list[str] = []
     report = run_bench(cfg, lines.append, "test")
@@ -201,3 +204,51 @@ def test_cli_runs_and_reports(workdir: Path, tmp_path: Path, capsys: pytest.Capt
 def test_script_entry_point_rejects_unknown_suite(workdir: Path) -> None:
     with pytest.raises(ValueError, match="unknown suites"):
         bench_main(["--suites=nope", f"--workdir={workdir}"], prog="bench-test")
+
+
+def refuse(reason: str) -> None:
+    """A factory for an ``Isolated`` child (imported there by name): the path cannot run."""
+    raise Unavailable(reason)
+
+
+def break_down() -> None:
+    raise ValueError("the model file is corrupt")
+
+
+@pytest.mark.timeout(120)
+def test_isolated_paths_run_and_are_measured_in_processes_of_their_own(workdir: Path) -> None:
+    load = [str(workdir / "h1-tiny" / "model.pt2"), 8, 0, str(workdir), 4, 5.0]
+    bench_bodies = make_bodies(8)
+    (workdir / "bodies-8-seed0.json").write_text(json.dumps(bench_bodies))
+    handles = [Isolated(open_path, PathSpec("tiny", name, *load)) for name in ("raw", "explicit")]
+    try:
+        for handle in handles:
+            handle.wait_ready()
+            assert handle.unavailable is None
+            assert handle.info["pid"] == handle.pid
+        pids = {h.pid for h in handles}
+        assert len(pids) == 2 and os.getpid() not in pids
+        for handle in handles:
+            sample = handle.call("measure", 8, 4, timeout=60)
+            assert sample.tiles == 8 and len(sample.latencies_s) == 8
+            assert sample.cpu_s is not None and sample.cpu_s > 0  # counted in the child
+        with pytest.raises(RuntimeError, match="measure failed in the bench child process"):
+            handles[0].call("measure", 8, 0, timeout=60)  # chunks of 0 tiles: its own error
+        assert handles[0].call("measure", 4, 4, timeout=60).tiles == 4  # and it still serves
+    finally:
+        for handle in handles:
+            handle.close()
+    for handle in handles:
+        assert not handle._process.is_alive()
+
+
+@pytest.mark.timeout(120)
+def test_isolated_children_report_refusals_and_failures_to_start() -> None:
+    refused = Isolated(refuse, "no GPU here")
+    broken = Isolated(break_down)
+    refused.wait_ready()
+    assert refused.unavailable == "no GPU here"
+    with pytest.raises(
+        RuntimeError, match="failed to start: ValueError: the model file is corrupt"
+    ):
+        broken.wait_ready()

@@ -2,4 +2,6 @@
 
 from .cli import main
 
-raise SystemExit(main())
+# Guarded: the bench's child processes start with `spawn`, which imports the main module again.
+if __name__ == "__main__":
+    raise SystemExit(main())

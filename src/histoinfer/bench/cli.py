@@ -81,6 +81,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="where reference checkpoints and bodies are cached (default: user cache dir)",
     )
+    parser.add_argument(
+        "--shared-process",
+        action="store_true",
+        help="measure every path in this process instead of one process each: starts faster, "
+        "but paths slow each other down (OpenMP; see docs/benchmarks.md)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
     parser.set_defaults(_bench_parser=parser)
 
@@ -124,6 +130,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
         changes["suites"] = args.suites
     if args.workdir is not None:
         changes["workdir"] = str(args.workdir)
+    if args.shared_process:
+        changes["isolate"] = False
     unknown_models = [m for m in changes.get("models", ()) if m not in ("tiny", "small")]
     if unknown_models:
         raise ValueError(f"unknown model sizes: {', '.join(unknown_models)} (tiny, small)")

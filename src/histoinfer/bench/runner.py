@@ -24,6 +24,7 @@ from ..models import ServerModel, build_server_model
 from ..models.h1 import export_reference_h1
 from ..schema import parse_request
 from .bodies import make_bodies
+from .isolation import Isolated, Local, Unavailable
 from .latency import LONE_VARIANTS, LoneLatency, p50_ms
 from .measure import Sample, percentile
 from .overhead import OVERHEAD_VARIANTS, OverheadConfig, measure_overhead
@@ -68,6 +69,8 @@ class BenchConfig:
     lone_calls: int = 60
     workdir: str = field(default_factory=lambda: str(default_workdir()))
     quick: bool = False
+    #: each path (and lone-latency variant) in a process of its own (bench/isolation.py says why)
+    isolate: bool = True
 
     def tiles_at(self, model: str, level: int) -> int:
         total = self.small_tiles if model == "small" else self.tiles
@@ -232,6 +235,75 @@ def throughput_checks(
 # -- suites --------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class PathSpec:
+    """What a (possibly separate) process needs to open one path: all of it picklable."""
+
+    size: str
+    name: str
+    checkpoint: str
+    bodies: int
+    seed: int
+    workdir: str
+    max_batch_size: int
+    max_wait_ms: float
+
+
+class OpenPath:
+    """One opened path over the first ``n`` of its bodies; CPU time is counted where it runs."""
+
+    def __init__(self, path: BenchPath, bodies: list[str]) -> None:
+        self.path = path
+        self.bodies = bodies
+        self.info = {"label": path.label, "note": path.note}
+
+    def measure(self, n: int, concurrency: int) -> Sample:
+        cpu0 = time.process_time() + self.path.external_cpu_s()
+        sample = self.path.measure(self.bodies[:n], concurrency)
+        return replace(sample, cpu_s=time.process_time() + self.path.external_cpu_s() - cpu0)
+
+    def close(self) -> None:
+        self.path.close()
+
+
+def open_path(spec: PathSpec) -> OpenPath:
+    """Build the model, bodies and path of ``spec`` (in the process that will measure it)."""
+    model = build_server_model("h1", spec.checkpoint)
+    bodies = load_bodies(spec.bodies, spec.seed, Path(spec.workdir), _silent)
+    ctx = BenchContext(
+        spec.size,
+        model,
+        Path(spec.checkpoint),
+        spec.max_batch_size,
+        spec.max_wait_ms,
+        prepare_tiles(model, bodies) if spec.name == "raw" else [],
+    )
+    [path] = make_paths([spec.name], ctx)
+    reason = path.unavailable()
+    if reason is not None:
+        raise Unavailable(reason)
+    try:
+        path.open()
+    except Exception as exc:
+        raise Unavailable(f"could not start: {exc}") from exc
+    return OpenPath(path, bodies)
+
+
+def open_lone(checkpoint: str, bodies: int, seed: int, workdir: str) -> LoneLatency:
+    """The lone-latency measurer, built in the process that will measure one variant."""
+    model = build_server_model("h1", checkpoint)
+    loaded = load_bodies(bodies, seed, Path(workdir), _silent)
+    return LoneLatency(model, loaded, prepare_tiles(model, loaded))
+
+
+def _silent(message: str) -> None:
+    pass
+
+
+def _start(cfg: BenchConfig, factory: Callable[..., Any], *args: Any) -> Isolated | Local:
+    return Isolated(factory, *args) if cfg.isolate else Local(factory, *args)
+
+
 def run_throughput(cfg: BenchConfig, log: Log) -> dict[str, Any]:
     workdir = Path(cfg.workdir)
     rows: list[dict[str, Any]] = []
@@ -244,64 +316,60 @@ def run_throughput(cfg: BenchConfig, log: Log) -> dict[str, Any]:
         levels = cfg.small_levels if small else cfg.levels
         rounds = min(cfg.rounds, cfg.small_rounds) if small else cfg.rounds
         checkpoint = ensure_checkpoint(size, workdir, log)
-        model = build_server_model("h1", checkpoint)
         n = max(cfg.tiles_at(size, level) for level in levels)
-        bodies = load_bodies(n, cfg.seed, workdir, log)
-        ctx = BenchContext(
-            size,
-            model,
-            checkpoint,
-            cfg.max_batch_size,
-            cfg.max_wait_ms,
-            prepare_tiles(model, bodies),
-        )
-        paths: list[BenchPath] = []
-        for path in make_paths(names, ctx):
-            reason = path.unavailable()
-            if reason is None:
-                try:
-                    path.open()
-                except Exception as exc:
-                    reason = f"could not start: {exc}"
-            if reason is not None:
-                log(f"[{size}] skipping {path.name}: {reason}")
-                skipped.append({"model": size, "path": path.name, "reason": reason})
-                continue
-            paths.append(path)
-            if path.note:
-                notes.append({"model": size, "path": path.name, "note": path.note})
+        load_bodies(n, cfg.seed, workdir, log)  # built once, cached for the processes below
+        specs = [
+            PathSpec(
+                size,
+                name,
+                str(checkpoint),
+                n,
+                cfg.seed,
+                str(workdir),
+                cfg.max_batch_size,
+                cfg.max_wait_ms,
+            )
+            for name in names
+        ]
+        started = [_start(cfg, open_path, spec) for spec in specs]  # they load side by side
+        paths: list[tuple[str, Isolated | Local]] = []
         try:
-            warm = bodies[: min(n, 2 * cfg.max_batch_size)]
-            for path in paths:  # warm thread pools, kernels and connections; discarded
-                path.measure(warm, max(levels))
-                path.measure(bodies[:4], 1)
+            for spec, handle in zip(specs, started, strict=True):
+                handle.wait_ready()
+                if handle.unavailable is not None:
+                    log(f"[{size}] skipping {spec.name}: {handle.unavailable}")
+                    skipped.append({"model": size, "path": spec.name, "reason": handle.unavailable})
+                    continue
+                paths.append((spec.name, handle))
+                if handle.info.get("note"):
+                    notes.append({"model": size, "path": spec.name, "note": handle.info["note"]})
+            warm = min(n, 2 * cfg.max_batch_size)
+            for _, handle in paths:  # warm thread pools, kernels and connections; discarded
+                handle.call("measure", warm, max(levels))
+                handle.call("measure", 4, 1)
             for r in range(rounds):
                 for level in levels:
-                    subset = bodies[: cfg.tiles_at(size, level)]
                     shift = r % len(paths) if paths else 0
-                    for path in paths[shift:] + paths[:shift]:
-                        cpu0 = time.process_time() + path.external_cpu_s()
-                        sample = path.measure(subset, level)
-                        cpu = time.process_time() + path.external_cpu_s() - cpu0
-                        sample = replace(sample, cpu_s=cpu)
-                        samples.setdefault((size, path.name, level), []).append(sample)
+                    for name, handle in paths[shift:] + paths[:shift]:
+                        sample: Sample = handle.call("measure", cfg.tiles_at(size, level), level)
+                        samples.setdefault((size, name, level), []).append(sample)
                         log(
-                            f"[{size}] round {r + 1}/{rounds} c={level:<4} {path.name:<16} "
+                            f"[{size}] round {r + 1}/{rounds} c={level:<4} {name:<16} "
                             f"{sample.throughput:8.1f} tiles/s {sample.cpu_ms_per_tile:6.2f} "
                             f"CPU ms/tile  load {os.getloadavg()[0]:.1f}"
                         )
         finally:
-            for path in paths:
-                path.close()
-        for path in paths:
+            for handle in started:
+                handle.close()
+        for name, handle in paths:
             for level in levels:
                 rows.append(
                     {
                         "model": size,
-                        "path": path.name,
-                        "label": path.label,
+                        "path": name,
+                        "label": handle.info["label"],
                         "concurrency": level,
-                        **summarize(samples[(size, path.name, level)]),
+                        **summarize(samples[(size, name, level)]),
                     }
                 )
     return {
@@ -371,23 +439,31 @@ def run_latency(cfg: BenchConfig, log: Log) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     checks: list[Check] = []
     for size in cfg.models:
-        model = build_server_model("h1", ensure_checkpoint(size, workdir, log))
-        bodies = load_bodies(max(cfg.tiles_at(size, 1), 16), cfg.seed, workdir, log)
+        checkpoint = ensure_checkpoint(size, workdir, log)
+        n = max(cfg.tiles_at(size, 1), 16)
+        load_bodies(n, cfg.seed, workdir, log)  # built once, cached for the processes below
         calls = cfg.lone_calls if size != "small" else max(cfg.lone_calls // 3, 10)
-        lone = LoneLatency(model, bodies, prepare_tiles(model, bodies))
+        # One process per variant: a forward pass of one tile is ~1.5x slower in a process
+        # where other threads have run torch ops (bench/isolation.py).
+        started = {
+            v: _start(cfg, open_lone, str(checkpoint), n, cfg.seed, str(workdir))
+            for v in LONE_VARIANTS
+        }
         per: dict[str, list[float]] = {v: [] for v in LONE_VARIANTS}
         try:
-            for variant in LONE_VARIANTS:
-                lone.measure(variant, 5)  # warm-up
+            for variant, handle in started.items():
+                handle.wait_ready()
+                handle.call("measure", variant, 5)  # warm-up
             for r in range(cfg.rounds):
                 for variant in LONE_VARIANTS[r % 4 :] + LONE_VARIANTS[: r % 4]:
-                    per[variant].append(p50_ms(lone.measure(variant, calls)))
+                    per[variant].append(p50_ms(started[variant].call("measure", variant, calls)))
                 log(
                     f"[latency {size}] round {r + 1}/{cfg.rounds} "
                     + " ".join(f"{v}={per[v][-1]:.2f}ms" for v in LONE_VARIANTS)
                 )
         finally:
-            lone.close()
+            for handle in started.values():
+                handle.close()
         for variant in LONE_VARIANTS:
             rows.append(
                 {
