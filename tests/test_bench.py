@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -215,6 +216,21 @@ def break_down() -> None:
     raise ValueError("the model file is corrupt")
 
 
+class Sleeper:
+    def __init__(self) -> None:
+        self.info: dict[str, object] = {}
+
+    def nap(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    def close(self) -> None:
+        pass
+
+
+def sleeper() -> Sleeper:
+    return Sleeper()
+
+
 @pytest.mark.timeout(120)
 def test_isolated_paths_run_and_are_measured_in_processes_of_their_own(workdir: Path) -> None:
     load = [str(workdir / "h1-tiny" / "model.pt2"), 8, 0, str(workdir), 4, 5.0]
@@ -252,3 +268,14 @@ def test_isolated_children_report_refusals_and_failures_to_start() -> None:
         RuntimeError, match="failed to start: ValueError: the model file is corrupt"
     ):
         broken.wait_ready()
+
+
+@pytest.mark.timeout(120)
+def test_an_isolated_child_that_does_not_answer_in_time_is_killed() -> None:
+    handle = Isolated(sleeper)
+    handle.wait_ready()
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="did not answer nap in 1 s"):
+        handle.call("nap", 60, timeout=1)
+    assert time.monotonic() - started < 30
+    assert not handle._process.is_alive()

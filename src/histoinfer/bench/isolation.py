@@ -29,6 +29,9 @@ __all__ = ["Isolated", "Local", "Unavailable"]
 
 # Long enough to import torch and load a model on a loaded 2-core machine.
 START_TIMEOUT_S = 300.0
+# Long enough for the slowest measurement (the small model: 256 tiles at ~20 tiles/s, loaded);
+# a child that hangs must not hang the whole run.
+CALL_TIMEOUT_S = 900.0
 
 
 class Unavailable(Exception):
@@ -70,21 +73,24 @@ class Isolated:
             self.close()
             raise RuntimeError(f"the bench child process failed to start: {payload}")
 
-    def call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
-        """``obj.method(*args)`` in the child; its exception comes back as a RuntimeError."""
+    def call(self, method: str, *args: Any, timeout: float | None = CALL_TIMEOUT_S) -> Any:
+        """``obj.method(*args)`` in the child; its exception comes back as a RuntimeError, and
+        a child that does not answer within ``timeout`` seconds is killed (TimeoutError)."""
         self._conn.send(("call", method, args))
         kind, payload = self._receive(timeout, method)
         if kind != "ok":
             raise RuntimeError(f"{method} failed in the bench child process: {payload}")
         return payload
 
-    def close(self) -> None:
+    def close(self, *, kill: bool = False) -> None:
+        """Ask the child to close its object and exit (``kill``: do not ask, it is stuck)."""
         if self._closed:
             return
         self._closed = True
-        with contextlib.suppress(OSError, ValueError):  # the child may be gone already
-            self._conn.send(("close",))
-        self._process.join(30)
+        if not kill:
+            with contextlib.suppress(OSError, ValueError):  # the child may be gone already
+                self._conn.send(("close",))
+            self._process.join(30)
         if self._process.is_alive():
             self._process.kill()
             self._process.join(5)
@@ -92,7 +98,7 @@ class Isolated:
 
     def _receive(self, timeout: float | None, what: str) -> tuple[str, Any]:
         if timeout is not None and not self._conn.poll(timeout):
-            self.close()
+            self.close(kill=True)
             raise TimeoutError(f"the bench child process did not answer {what} in {timeout:g} s")
         try:
             message: tuple[str, Any] = self._conn.recv()
@@ -152,7 +158,7 @@ class Local:
         else:
             self.info = {**self._obj.info, "pid": self.pid}
 
-    def call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+    def call(self, method: str, *args: Any, timeout: float | None = CALL_TIMEOUT_S) -> Any:
         return getattr(self._obj, method)(*args)
 
     def close(self) -> None:
