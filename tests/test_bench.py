@@ -217,9 +217,6 @@ def break_down() -> None:
 
 
 class Sleeper:
-    def __init__(self) -> None:
-        self.info: dict[str, object] = {}
-
     def nap(self, seconds: float) -> None:
         time.sleep(seconds)
 

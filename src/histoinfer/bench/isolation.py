@@ -42,7 +42,8 @@ class Isolated:
     """An object built by ``factory(*args)`` in a child process; ``call`` runs its methods there.
 
     ``factory`` must be a module-level function (it is imported by name in the child) returning
-    an object with a ``close()`` method and an ``info`` dict (sent back once it is ready).
+    an object with a ``close()`` method, and optionally an ``info`` dict (sent back once it is
+    ready).
     """
 
     def __init__(self, factory: Callable[..., Any], *args: Any) -> None:
@@ -119,7 +120,7 @@ def _serve(conn: Connection, factory: Callable[..., Any], args: tuple[Any, ...])
     except BaseException as exc:  # reported to the parent, which raises
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
-    conn.send(("ready", {**obj.info, "pid": os.getpid()}))
+    conn.send(("ready", {**getattr(obj, "info", {}), "pid": os.getpid()}))
     try:
         while True:
             try:
@@ -156,7 +157,7 @@ class Local:
         except Unavailable as exc:
             self.unavailable = str(exc)
         else:
-            self.info = {**self._obj.info, "pid": self.pid}
+            self.info = {**getattr(self._obj, "info", {}), "pid": self.pid}
 
     def call(self, method: str, *args: Any, timeout: float | None = CALL_TIMEOUT_S) -> Any:
         return getattr(self._obj, method)(*args)

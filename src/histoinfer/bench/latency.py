@@ -36,7 +36,6 @@ class LoneLatency:
         self.tiles = tiles
         self.dynamic = InProcessClient(model, max_wait_ms=5.0)
         self.explicit = InProcessClient(model, max_wait_ms=5.0, dynamic_batching=False)
-        self.info: dict[str, object] = {}
 
     def close(self) -> None:
         self.dynamic.close()

@@ -46,6 +46,8 @@ class BenchPath(ABC):
 
     name: ClassVar[str]
     label: ClassVar[str]
+    #: whether it reads ``ctx.tiles`` (decoding every body up front is wasted on the others)
+    needs_tiles: ClassVar[bool] = False
 
     def __init__(self, ctx: BenchContext) -> None:
         self.ctx = ctx
@@ -79,6 +81,7 @@ class RawForward(BenchPath):
 
     name = "raw"
     label = "raw forward (pre-stacked tensors)"
+    needs_tiles = True
 
     def measure(self, bodies: Sequence[str], concurrency: int) -> Sample:
         model = self.ctx.server_model

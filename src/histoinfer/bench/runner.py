@@ -276,9 +276,11 @@ def open_path(spec: PathSpec) -> OpenPath:
         Path(spec.checkpoint),
         spec.max_batch_size,
         spec.max_wait_ms,
-        prepare_tiles(model, bodies) if spec.name == "raw" else [],
+        [],
     )
     [path] = make_paths([spec.name], ctx)
+    if path.needs_tiles:
+        ctx.tiles.extend(prepare_tiles(model, bodies))
     reason = path.unavailable()
     if reason is not None:
         raise Unavailable(reason)
