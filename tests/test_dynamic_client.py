@@ -182,10 +182,10 @@ async def test_queued_bodies_are_decoded_in_chunks_and_a_bad_one_fails_alone(
     gate = threading.Event()
     real_decode = inprocess._decode_chunk
 
-    def watched_decode(model: ServerModel, jobs: list[Any]) -> list[Any]:
+    def watched_decode(model: ServerModel, share: Any, jobs: list[Any]) -> list[Any]:
         chunks.append(len(jobs))
         gate.wait(30)  # the first chunk holds the decode thread while the others queue up
-        return real_decode(model, jobs)
+        return real_decode(model, share, jobs)
 
     monkeypatch.setattr(inprocess, "_decode_chunk", watched_decode)
     good = list(range(12))

@@ -152,6 +152,18 @@ async def test_a_reserved_item_joins_the_batch_it_was_announced_to() -> None:
     assert results == {1: 10, 2: 20}
 
 
+async def test_preparing_counts_reservations_until_they_submit_or_leave() -> None:
+    fn = HeldBatchFn(held=False)
+    sched = BatchScheduler(fn, max_batch_size=8, max_wait_ms=0)
+    with anyio.fail_after(5):
+        assert sched.preparing == 0
+        async with sched.reserve() as first, sched.reserve():
+            assert sched.preparing == 2
+            assert await first.submit(3) == 30
+            assert sched.preparing == 1  # the second one is still "preparing"
+        assert sched.preparing == 0  # it left without an item
+
+
 async def test_an_abandoned_reservation_releases_the_waiting_batch() -> None:
     """A reservation that ends unused (e.g. its request was invalid) must wake the runner."""
     fn = HeldBatchFn(held=False)

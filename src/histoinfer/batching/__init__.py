@@ -1,6 +1,6 @@
 """Dynamic batching: a scheduler per event loop, knowing nothing of models or transports."""
 
-from .perloop import PerLoop, call_soon_in_loop, current_loop_key
+from .perloop import PerLoop, call_soon_in_loop, current_loop_key, wait_future
 from .scheduler import BatchScheduler, Reservation
 from .stats import BatchStats, StatsSnapshot
 
@@ -12,4 +12,5 @@ __all__ = [
     "StatsSnapshot",
     "call_soon_in_loop",
     "current_loop_key",
+    "wait_future",
 ]

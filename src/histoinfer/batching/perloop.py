@@ -13,13 +13,16 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Generic, TypeVar
 
+import anyio
 import anyio.lowlevel
 
-__all__ = ["PerLoop", "call_soon_in_loop", "current_loop_key"]
+__all__ = ["PerLoop", "call_soon_in_loop", "current_loop_key", "wait_future"]
 
 V = TypeVar("V")
+R = TypeVar("R")
 
 
 def current_loop_key() -> object:
@@ -53,6 +56,23 @@ def call_soon_in_loop(key: object, fn: Callable[[], object]) -> bool:
     except Exception:  # RuntimeError (asyncio loop closed), trio.RunFinishedError
         return False
     return True
+
+
+async def wait_future(future: Future[R]) -> R:
+    """The result of a ``concurrent.futures.Future`` that another thread completes.
+
+    No worker thread waits for it: the thread that completes it wakes this loop directly. Like
+    ``anyio.to_thread.run_sync``, it is not abandoned when the caller is cancelled: the caller
+    waits for the result (the work is already running) and gets it; the cancellation is
+    delivered at its next checkpoint, so a result is never lost to it.
+    """
+    if not future.done():
+        key = current_loop_key()
+        done = anyio.Event()
+        future.add_done_callback(lambda _: call_soon_in_loop(key, done.set))
+        with anyio.CancelScope(shield=True):
+            await done.wait()
+    return future.result()
 
 
 class PerLoop(Generic[V]):

@@ -15,8 +15,9 @@ How it works (``docs/batching.md`` has the reasons and a sequence diagram):
   Callers announced by :meth:`BatchScheduler.reserve` count as "on their way"; when the last of
   them leaves without an item, a no-op marker wakes the runner so it stops waiting for them.
 * The batch function runs in a worker thread (``anyio.to_thread.run_sync``) under the scheduler's
-  own limiter, never the loop's shared default one; requests that arrive meanwhile accumulate for
-  the next batch.
+  own limiter, never the loop's shared default one, or on a thread the owner names (``thread=``:
+  the clients give each device one forward thread); requests that arrive meanwhile accumulate
+  for the next batch.
 * A finished batch's callers are woken by the forward thread as it starts the next batch (or by
   the runner, before it waits for anything): woken first, they would run before the next batch
   is handed over, and the device would idle meanwhile.
@@ -37,6 +38,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any, Generic, TypeVar
@@ -48,7 +50,7 @@ import sniffio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ..errors import ClientClosedError, DeadlineExceededError, InferenceError, OverloadedError
-from .perloop import call_soon_in_loop, current_loop_key
+from .perloop import call_soon_in_loop, current_loop_key, wait_future
 from .stats import BatchStats
 
 __all__ = ["BatchScheduler", "Reservation"]
@@ -121,6 +123,10 @@ class BatchScheduler(Generic[T, R]):
         limiter: the thread limiter for ``batch_fn``; by default one of its own, with one token
             (the loop's default limiter is shared with everything else, and a forward pass
             waiting there for a token is pure latency).
+        thread: where ``batch_fn`` runs instead of an anyio worker thread: a function that
+            starts a call on a thread of the caller's choosing and returns its
+            ``concurrent.futures.Future`` (e.g. a dedicated device thread's ``submit``). The
+            scheduler awaits it without a worker thread of its own; ``limiter`` is then unused.
         stats: where to record batches and waits; by default a fresh :class:`BatchStats`.
         on_exit: called once when the runner ends (its loop ended or the scheduler closed).
     """
@@ -133,6 +139,7 @@ class BatchScheduler(Generic[T, R]):
         max_wait_ms: float = 5.0,
         max_queue: int | None = 4096,
         limiter: anyio.CapacityLimiter | None = None,
+        thread: Callable[[Callable[[], Sequence[R]]], Future[Sequence[R]]] | None = None,
         stats: BatchStats | None = None,
         name: str = "batch",
         on_exit: Callable[[], None] | None = None,
@@ -159,6 +166,7 @@ class BatchScheduler(Generic[T, R]):
         self.stats = stats if stats is not None else BatchStats()
         # Made outside a loop, these bind lazily to the first (and only) loop that uses them.
         self._limiter = limiter if limiter is not None else anyio.CapacityLimiter(1)
+        self._thread = thread
         self._admission = (
             anyio.Semaphore(max_queue, fast_acquire=True) if max_queue is not None else None
         )
@@ -246,6 +254,13 @@ class BatchScheduler(Generic[T, R]):
     def queue_depth(self) -> int:
         """Items submitted and waiting for dispatch (not counting abandoned ones)."""
         return self._queued
+
+    @property
+    def preparing(self) -> int:
+        """Callers admitted by :meth:`reserve` that have not submitted their item yet (e.g.
+        still decoding it): work on its way, which the batch function may want to leave CPU
+        for. Safe to read from any thread (a plain int, possibly a moment stale)."""
+        return self._incoming
 
     # -- the caller's side ----------------------------------------------------------------
 
@@ -492,9 +507,12 @@ class BatchScheduler(Generic[T, R]):
         items = [p.item for p in pendings]
         handoff, self._handoff = self._handoff, None
         try:
-            results = await anyio.to_thread.run_sync(
-                self._call, items, handoff, limiter=self._limiter
-            )
+            if self._thread is not None:
+                results = await wait_future(self._thread(partial(self._call, items, handoff)))
+            else:
+                results = await anyio.to_thread.run_sync(
+                    self._call, items, handoff, limiter=self._limiter
+                )
         except BaseException as exc:
             if handoff is not None:  # whether or not the thread got to it
                 handoff.fire()

@@ -18,6 +18,7 @@ import torch
 
 from ..clients.inprocess import InProcessClient
 from ..models.base import ServerModel
+from ..models.device_thread import device_thread
 from .measure import percentile
 
 __all__ = ["LONE_VARIANTS", "LoneLatency"]
@@ -46,12 +47,17 @@ class LoneLatency:
         n = len(self.bodies)
         if variant == "raw-forward-1":
             batches = [self.tiles[i % n].unsqueeze(0) for i in range(calls)]
-            out = []
-            for batch in batches:
-                t0 = clock()
-                self.model.forward_batch(batch, "predict")
-                out.append(clock() - t0)
-            return out
+
+            def forward_each() -> list[float]:
+                out = []
+                for batch in batches:
+                    t0 = clock()
+                    self.model.forward_batch(batch, "predict")
+                    out.append(clock() - t0)
+                return out
+
+            # The clients' forward thread (same OpenMP team and regime), as in RawForward.
+            return device_thread(self.model.device).call(forward_each)
         if variant == "pipeline-1":
             return self._timed(lambda body: self.explicit.predict_batch([body]), calls)
         backend = variant.removeprefix("dynamic-")

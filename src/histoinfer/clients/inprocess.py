@@ -5,7 +5,7 @@ One request's path, top to bottom:
     body (JSON str) -> parse + check + decode   [worker thread, bounded]   (_prepare)
                        (dynamic mode: bodies that queue up are decoded a chunk per thread hop)
                     -> BatchScheduler of this loop and mode             (dynamic mode)
-                    -> stack + forward + split  [forward thread, device lock] (_forward)
+                    -> stack + forward + split  [the device's thread, device lock] (_forward)
                     -> postprocess + JSON       [caller]                  (_finish)
 
 The microservice runs this same client, so in-process and remote behave the same by construction.
@@ -39,7 +39,7 @@ import sniffio
 import torch
 from anyio._core._eventloop import threadlocals as _anyio_threadlocals
 
-from ..batching import BatchScheduler, BatchStats, PerLoop, StatsSnapshot
+from ..batching import BatchScheduler, BatchStats, PerLoop, StatsSnapshot, wait_future
 from ..errors import (
     ClientClosedError,
     InferenceError,
@@ -47,8 +47,11 @@ from ..errors import (
     ModelExecutionError,
 )
 from ..models.base import SampleOutput, ServerModel
+from ..models.device_thread import device_thread
+from ..models.openmp import thread_count
 from ..models.registry import build_server_model
 from ..schema import MODES, BatchingSettings, Mode, ModelRequest, locate, parse_request
+from .cores import CoreShare
 from .lifecycle import ClosingContext
 from .portal import PortalThread
 
@@ -77,16 +80,35 @@ def device_lock(device: torch.device) -> threading.Lock:
 
 
 def _forward(
-    model: ServerModel, lock: threading.Lock, tiles: list[torch.Tensor], mode: Mode
+    model: ServerModel,
+    lock: threading.Lock,
+    tiles: list[torch.Tensor],
+    mode: Mode,
+    share: CoreShare | None = None,
+    loaded: Callable[[], bool] | None = None,
 ) -> list[SampleOutput]:
     """Stack, run on the device (one pass at a time per device), split per sample.
+
+    With ``share`` (dynamic batching on a CPU device), the pass may run on fewer threads to
+    leave cores to the decoders while ``loaded()`` says requests are on their way; it records
+    its duration there either way (clients/cores.py).
 
     A function of the model, not a method of the client: schedulers hold it for their loop's
     lifetime, and must not keep the client alive.
     """
-    batch = torch.stack(tiles)
-    with lock:
-        output = model.forward_batch(batch, mode)
+    if model.device.type != "cpu":
+        share = None
+    all_threads = threads = torch.get_num_threads()
+    if share is not None and loaded is not None:
+        threads -= share.cores_to_leave(loaded(), all_threads)
+    # The stack too: a parallel copy wakes the OpenMP workers, which then spin for a while.
+    with thread_count(threads if threads != all_threads else None):
+        started = time.perf_counter()
+        batch = torch.stack(tiles)
+        with lock:
+            output = model.forward_batch(batch, mode)
+    if share is not None:
+        share.record_forward(len(tiles), time.perf_counter() - started, threads, all_threads)
     samples = output.split()
     if len(samples) != len(tiles):
         raise RuntimeError(f"forward_batch returned {len(samples)} rows for {len(tiles)} tiles")
@@ -113,10 +135,16 @@ def _prepare_or_refusal(
         return exc
 
 
-def _decode_chunk(model: ServerModel, jobs: list[tuple[str | bytes, Mode]]) -> list[Decoded]:
+def _decode_chunk(
+    model: ServerModel, share: CoreShare, jobs: list[tuple[str | bytes, Mode]]
+) -> list[Decoded]:
     """The decode stage's batch function: one body's bad input must not fail its neighbours,
-    so refusals are returned, not raised (anything else raised is a bug, and is bisected)."""
-    return [_prepare_or_refusal(model, body, mode) for body, mode in jobs]
+    so refusals are returned, not raised (anything else raised is a bug, and is bisected).
+    Its duration goes to ``share``: what the forward pass weighs leaving cores against."""
+    started = time.perf_counter()
+    decoded = [_prepare_or_refusal(model, body, mode) for body, mode in jobs]
+    share.record_decode(len(jobs), time.perf_counter() - started)
+    return decoded
 
 
 class _LoopState:
@@ -132,7 +160,6 @@ class _LoopState:
         if owner is None:  # pragma: no cover - a call in flight holds the client
             raise ClientClosedError("the client was garbage-collected")
         self.prepare_limiter = anyio.CapacityLimiter(owner.prepare_threads)
-        self.forward_limiter = anyio.CapacityLimiter(1)
         self.schedulers: dict[Mode, BatchScheduler[torch.Tensor, SampleOutput]] = {}
         # The decode stage: one small scheduler per decode thread, each decoding the bodies
         # that queued up while its previous chunk ran, in one hop. Admission is the forward
@@ -140,7 +167,7 @@ class _LoopState:
         # Dynamic mode only: batch-size-1 calls decode in one to_thread hop each.
         self.decoders: list[BatchScheduler[tuple[str | bytes, Mode], Decoded]] = [
             BatchScheduler(
-                partial(_decode_chunk, owner.server_model),
+                partial(_decode_chunk, owner.server_model, owner._cores),
                 max_batch_size=DECODE_CHUNK,
                 max_wait_ms=0,
                 max_queue=None,
@@ -150,6 +177,12 @@ class _LoopState:
         ]
         self._client = client
         self._key = key
+
+    def loaded(self) -> bool:
+        """Are requests of this loop on their way to a next batch (queued, or still being
+        decoded)? Asked on the device's thread before a forward pass (clients/cores.py)."""
+        schedulers = list(self.schedulers.values())  # atomic under the GIL; the loop may add one
+        return any(scheduler.queue_depth or scheduler.preparing for scheduler in schedulers)
 
     def decoder(self) -> BatchScheduler[tuple[str | bytes, Mode], Decoded]:
         """The decode scheduler with the shortest queue."""
@@ -163,11 +196,18 @@ class _LoopState:
                 raise ClientClosedError("the client was garbage-collected")
             loops, key = client._loops, self._key
             scheduler = self.schedulers[mode] = BatchScheduler(
-                partial(_forward, client.server_model, client._device_lock, mode=mode),
+                partial(
+                    _forward,
+                    client.server_model,
+                    client._device_lock,
+                    mode=mode,
+                    share=client._cores,
+                    loaded=self.loaded,
+                ),
                 max_batch_size=client.max_batch_size,
                 max_wait_ms=client.max_wait_ms,
                 max_queue=client.max_queue,
-                limiter=self.forward_limiter,
+                thread=client._device_thread.submit,
                 stats=client._stats[mode],
                 name=f"{client._model_name}:{mode}",
                 on_exit=partial(loops.discard, key, self),
@@ -250,6 +290,9 @@ class InProcessClient(ClosingContext):
         self._wait_for_room = overload == "wait"
         self._model_name = server_model.metadata().name
         self._device_lock = device_lock(server_model.device)
+        # Every forward pass on the device's one thread: one OpenMP team (models/device_thread).
+        self._device_thread = device_thread(server_model.device)
+        self._cores = CoreShare(self.prepare_threads)
         self._stats = {mode: BatchStats() for mode in MODES}
         self._loops: PerLoop[_LoopState] = PerLoop(partial(_LoopState, weakref.ref(self)))
         # Dropped without close(): end the runner tasks in their loops rather than leave them
@@ -407,13 +450,10 @@ class InProcessClient(ClosingContext):
                 )
                 started = time.perf_counter()
                 try:
-                    [output] = await anyio.to_thread.run_sync(
-                        _forward,
-                        self.server_model,
-                        self._device_lock,
-                        [tile],
-                        mode,
-                        limiter=state.forward_limiter,
+                    [output] = await wait_future(
+                        self._device_thread.submit(
+                            _forward, self.server_model, self._device_lock, [tile], mode
+                        )
                     )
                 except Exception as exc:
                     self._stats[mode].record_error(type(exc).__name__)
@@ -483,8 +523,8 @@ class InProcessClient(ClosingContext):
         stats = self._stats[mode]
         started = time.perf_counter()
         try:
-            outputs = _forward(
-                self.server_model, self._device_lock, [tile for _, tile in chunk], mode
+            outputs = self._device_thread.call(
+                _forward, self.server_model, self._device_lock, [tile for _, tile in chunk], mode
             )
         except Exception as exc:
             stats.record_error(type(exc).__name__)
@@ -499,7 +539,9 @@ class InProcessClient(ClosingContext):
         failing = []
         for i, (request, tile) in enumerate(chunk):
             try:
-                _forward(self.server_model, self._device_lock, [tile], mode)
+                self._device_thread.call(
+                    _forward, self.server_model, self._device_lock, [tile], mode
+                )
             except Exception as single:
                 failing.append(f"batch position {offset + i} ({request.where()}): {single!r}")
         if not failing:

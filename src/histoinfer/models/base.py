@@ -25,6 +25,7 @@ from .checkpoint import (
     load_checkpoint,
     sniff_kind,
 )
+from .device_thread import device_thread
 from .imaging import decode_tile
 
 __all__ = ["BatchOutput", "SampleOutput", "ServerModel"]
@@ -97,7 +98,9 @@ class ServerModel:
         self._shift = (-mean / std).to(self.device)
         self._input_buffer = InputBuffer()
         self._metadata = self._build_metadata()
-        self._check_outputs()
+        # On the device's thread, where the clients run every forward pass: run here, the probe
+        # would leave this thread an OpenMP team for good (models/device_thread.py).
+        device_thread(self.device).call(self._check_outputs)
 
     @classmethod
     def from_files(

@@ -1,0 +1,110 @@
+"""``DeviceThread``: one long-lived thread per device that runs every forward pass on it.
+
+Why one thread, and not whichever worker thread is free: torch's CPU kernels run on OpenMP
+(libgomp), and libgomp keeps a team of worker threads for *each* thread that has run a parallel
+op. Once a process holds more OpenMP threads than CPUs, every team stops spin-waiting between
+parallel regions (``GOMP_SPINCOUNT`` 300,000 -> 100) and each region pays a futex wake-up: a
+forward pass of one tile of the tiny model took 5.4 ms instead of 2.4 on 2 cores
+(docs/benchmarks.md, "OpenMP regimes"). Forward passes that land on arbitrary worker threads
+(anyio's, the decode threads', the thread that loaded the model) leave a team on each of them.
+Running the load-time probe and every forward pass of the clients on this one thread leaves one
+team per device, whatever else the process does.
+
+It also serializes the device's forward passes (SPEC §5) in the order they were submitted.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+import torch
+
+__all__ = ["DeviceThread", "device_thread"]
+
+R = TypeVar("R")
+
+_Job = tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]
+
+
+class DeviceThread:
+    """Runs submitted functions one at a time, in order, on one daemon thread.
+
+    The thread starts on first use and lives as long as the process (it is idle, blocked on its
+    queue, between jobs). A function that raises fails only its own future.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+
+    @property
+    def ident(self) -> int | None:
+        """The thread's identifier, once started."""
+        return None if self._thread is None else self._thread.ident
+
+    def submit(self, fn: Callable[..., R], *args: Any) -> Future[R]:
+        """Queue ``fn(*args)``; its future completes on the device thread."""
+        future: Future[R] = Future()
+        if threading.current_thread() is self._thread:
+            # A job that submits another (directly or through a client) would wait for itself.
+            _run(future, fn, args)
+            return future
+        self._ensure_started()
+        self._jobs.put((future, fn, args))
+        return future
+
+    def call(self, fn: Callable[..., R], *args: Any) -> R:
+        """Run ``fn(*args)`` on the device thread and return its result (or raise its error)."""
+        return self.submit(fn, *args).result()
+
+    def _ensure_started(self) -> None:
+        if self._thread is not None:
+            return
+        with self._start_lock:
+            if self._thread is None:
+                thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
+                thread.start()
+                self._thread = thread
+
+    def _serve(self) -> None:
+        while True:
+            future, fn, args = self._jobs.get()
+            _run(future, fn, args)
+            del future, fn, args  # drop the job's references while idle
+
+
+def _run(future: Future[Any], fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        result = fn(*args)
+    except BaseException as exc:  # the future carries it to the caller; the thread lives on
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
+
+
+_THREADS: dict[str, DeviceThread] = {}
+_THREADS_GUARD = threading.Lock()
+_THREADS_PID = os.getpid()
+
+
+def device_thread(device: torch.device | str) -> DeviceThread:
+    """The process's forward thread for ``device`` (one per device string, e.g. ``cuda:0``)."""
+    global _THREADS_PID
+    key = str(device)
+    with _THREADS_GUARD:
+        if os.getpid() != _THREADS_PID:  # a forked child inherits the dict, not the threads
+            _THREADS.clear()
+            _THREADS_PID = os.getpid()
+        thread = _THREADS.get(key)
+        if thread is None:
+            thread = _THREADS[key] = DeviceThread(f"histoinfer-device-{key}")
+        return thread

@@ -1,0 +1,222 @@
+"""The device's one forward thread, and awaiting its results from asyncio and trio."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+from concurrency_helpers import body, hooked_model, join_threads, start_threads
+
+from histoinfer import InProcessClient, ServerModel
+from histoinfer.batching import BatchScheduler, wait_future
+from histoinfer.clients.cores import CoreShare
+from histoinfer.clients.inprocess import _forward, device_lock
+from histoinfer.models import build_server_model
+from histoinfer.models.device_thread import DeviceThread, device_thread
+from histoinfer.models.openmp import per_thread_counts_supported, thread_count
+
+
+def test_calls_run_in_order_on_one_thread_and_errors_reach_only_their_caller() -> None:
+    worker = DeviceThread("test-device")
+    seen: list[tuple[int, int]] = []
+
+    def record(i: int) -> int:
+        seen.append((i, threading.get_ident()))
+        return i * i
+
+    def fail() -> None:
+        raise ValueError("bad batch")
+
+    futures = [worker.submit(record, i) for i in range(20)]
+    with pytest.raises(ValueError, match="bad batch"):
+        worker.call(fail)
+    assert worker.call(record, 20) == 400  # the thread survived the error
+    assert [f.result(timeout=10) for f in futures] == [i * i for i in range(20)]
+    assert [i for i, _ in seen] == list(range(21))
+    assert {ident for _, ident in seen} == {worker.ident}
+    assert worker.ident != threading.get_ident()
+
+
+def test_calls_from_many_threads_never_overlap() -> None:
+    worker = DeviceThread("test-device")
+    running = 0
+    most = 0
+    guard = threading.Lock()
+
+    def job() -> None:
+        nonlocal running, most
+        with guard:
+            running += 1
+            most = max(most, running)
+        time.sleep(0.001)
+        with guard:
+            running -= 1
+
+    threads, errors = start_threads([lambda: [worker.call(job) for _ in range(10)]] * 6)
+    join_threads(threads, timeout=30)
+    assert not errors and most == 1
+
+
+def test_a_job_that_submits_another_runs_it_inline_instead_of_waiting_for_itself() -> None:
+    worker = DeviceThread("test-device")
+    outer: Future[int] = worker.submit(lambda: worker.call(lambda: threading.get_ident()))
+    assert outer.result(timeout=10) == worker.ident
+
+
+def test_one_thread_per_device_string() -> None:
+    assert device_thread("cpu") is device_thread(torch.device("cpu"))
+    assert device_thread("cpu") is not device_thread("meta")
+
+
+def test_the_load_time_probe_runs_on_the_device_thread(
+    tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    where: list[int] = []
+    original = ServerModel._check_outputs
+
+    def probe(self: ServerModel) -> None:
+        where.append(threading.get_ident())
+        original(self)
+
+    monkeypatch.setattr(ServerModel, "_check_outputs", probe)
+    build_server_model("h1", tiny_checkpoint)
+    assert where == [device_thread("cpu").ident]
+
+
+def _forward_threads(model: ServerModel) -> tuple[ServerModel, list[int]]:
+    idents: list[int] = []
+    watched, _ = hooked_model(model, lambda batch: idents.append(threading.get_ident()))
+    return watched, idents
+
+
+def test_explicit_batches_run_on_the_device_thread(tiny_model: ServerModel) -> None:
+    model, idents = _forward_threads(tiny_model)
+    with InProcessClient(model, max_batch_size=2, dynamic_batching=False) as client:
+        client.predict_batch([body(i) for i in range(5)])  # three chunks
+        client.predict(body(0))
+    assert len(idents) == 4 and set(idents) == {device_thread("cpu").ident}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("dynamic", [True, False])
+async def test_async_calls_run_on_the_device_thread(tiny_model: ServerModel, dynamic: bool) -> None:
+    model, idents = _forward_threads(tiny_model)
+    with anyio.fail_after(60):
+        client = InProcessClient(model, max_batch_size=4, dynamic_batching=dynamic)
+        async with client, anyio.create_task_group() as tg:
+            for i in range(8):
+                tg.start_soon(client.predict_async, body(i))
+    assert idents and set(idents) == {device_thread("cpu").ident}
+
+
+@pytest.mark.anyio
+async def test_wait_future_returns_what_another_thread_completes() -> None:
+    future: Future[str] = Future()
+    threading.Timer(0.05, future.set_result, args=("done",)).start()
+    with anyio.fail_after(10):
+        assert await wait_future(future) == "done"
+        failed: Future[str] = Future()
+        failed.set_exception(KeyError("gone"))
+        with pytest.raises(KeyError):
+            await wait_future(failed)
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_waiter_still_gets_the_running_result_then_the_cancellation() -> None:
+    worker = DeviceThread("test-device")
+    release = threading.Event()
+    got: list[str] = []
+    future = worker.submit(lambda: "result" if release.wait(10) else "timed out")
+    scope = anyio.CancelScope()
+
+    async def waiter() -> None:
+        with scope:
+            got.append(await wait_future(future))
+            await anyio.sleep(5)  # the next checkpoint takes the cancellation
+            got.append("not cancelled")
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiter)
+            await anyio.sleep(0.05)
+            scope.cancel()
+            await anyio.sleep(0.05)
+            assert got == []  # still waiting: the job is running
+            release.set()
+    assert got == ["result"] and scope.cancelled_caught
+
+
+@pytest.mark.anyio
+async def test_a_scheduler_runs_its_batches_on_the_thread_it_is_given() -> None:
+    worker = DeviceThread("test-device")
+    idents: list[int] = []
+
+    def double(items: list[int]) -> list[int]:
+        idents.append(threading.get_ident())
+        if 13 in items:
+            raise ValueError("13 is poison")
+        return [2 * i for i in items]
+
+    scheduler = BatchScheduler(double, max_batch_size=8, max_wait_ms=20, thread=worker.submit)
+    results: dict[int, object] = {}
+
+    async def one(i: int) -> None:
+        try:
+            results[i] = await scheduler.submit(i)
+        except ValueError as exc:
+            results[i] = exc
+
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            for i in range(20):
+                tg.start_soon(one, i)
+    await scheduler.aclose()
+    assert {i: r for i, r in results.items() if i != 13} == {i: 2 * i for i in range(20) if i != 13}
+    assert isinstance(results[13], ValueError)  # bisected: only the poisoned item failed
+    assert set(idents) == {worker.ident}
+
+
+def test_thread_count_changes_only_the_calling_thread_and_is_restored() -> None:
+    if not per_thread_counts_supported():
+        pytest.skip("torch's OpenMP runtime here is not libgomp: per-thread counts unsupported")
+    full = torch.get_num_threads()
+    seen: dict[str, int] = {}
+
+    def inside() -> None:
+        with thread_count(1):
+            seen["inside"] = torch.get_num_threads()
+            other = threading.Thread(target=lambda: seen.update(other=torch.get_num_threads()))
+            other.start()
+            other.join(10)
+        seen["after"] = torch.get_num_threads()
+
+    worker = DeviceThread("test-device")
+    worker.call(inside)
+    assert seen == {"inside": 1, "other": full, "after": full}
+    assert torch.get_num_threads() == full
+
+
+def test_a_loaded_cpu_forward_pass_leaves_the_decoders_their_cores(
+    tiny_model: ServerModel,
+) -> None:
+    if not per_thread_counts_supported():
+        pytest.skip("torch's OpenMP runtime here is not libgomp: per-thread counts unsupported")
+    threads: list[int] = []
+    model, _ = hooked_model(tiny_model, lambda batch: threads.append(torch.get_num_threads()))
+    worker = device_thread("cpu")
+    full = worker.call(torch.get_num_threads)
+    share = CoreShare(decode_threads=1)
+    share.record_decode(10, 0.010)  # 1 ms a tile
+    share.record_forward(10, 0.001, full, full)  # 0.1 ms a tile: leaving a core pays
+    size = tiny_model.assets.tile_size
+    tile = torch.zeros(3, size, size, dtype=torch.uint8)
+    lock = device_lock(model.device)
+    for loaded in (True, False):
+        worker.call(_forward, model, lock, [tile], "predict", share, lambda v=loaded: v)
+    assert threads == [max(1, full - 1), full]  # a lone pass gets every core
+    assert worker.call(torch.get_num_threads) == full  # restored for the next pass
