@@ -12,35 +12,42 @@ def share_with(forward_ms: float, decode_ms: float, decode_threads: int = 1) -> 
     return share
 
 
-def test_nothing_is_left_before_both_costs_are_known_or_when_idle() -> None:
-    assert CoreShare(1).cores_to_leave(loaded=True, all_threads=2) == 0
+def test_nothing_is_left_before_both_costs_are_known() -> None:
+    assert CoreShare(1).cores_to_leave(all_threads=2) == 0
     only_decode = CoreShare(1)
     only_decode.record_decode(1, 0.001)
-    assert only_decode.cores_to_leave(loaded=True, all_threads=2) == 0
-    cheap = share_with(forward_ms=0.5, decode_ms=1.0)
-    assert cheap.cores_to_leave(loaded=False, all_threads=2) == 0  # a lone request: all cores
-    assert cheap.cores_to_leave(loaded=True, all_threads=2) == 1
+    assert only_decode.cores_to_leave(all_threads=2) == 0
+    assert share_with(forward_ms=0.5, decode_ms=1.0).cores_to_leave(all_threads=2) == 1
 
 
 def test_a_heavy_forward_pass_keeps_every_core() -> None:
     heavy = share_with(forward_ms=45.0, decode_ms=1.4)  # ViT-S on 2 cores
-    assert heavy.cores_to_leave(loaded=True, all_threads=2) == 0
-    # With 16 threads one core costs the pass a fifteenth: worth it while F <= 2 * 15 * D.
-    assert share_with(forward_ms=6.0, decode_ms=1.4).cores_to_leave(True, 16) == 1
-    assert share_with(forward_ms=60.0, decode_ms=1.4).cores_to_leave(True, 16) == 0
+    assert heavy.cores_to_leave(all_threads=2) == 0
+    # With 16 threads one core costs the pass a fifteenth: worth it while F <= 3 * 15 * D.
+    assert share_with(forward_ms=6.0, decode_ms=1.4).cores_to_leave(16) == 1
+    assert share_with(forward_ms=80.0, decode_ms=1.4).cores_to_leave(16) == 0
 
 
 def test_the_forward_pass_keeps_at_least_one_thread() -> None:
-    assert share_with(0.1, 10.0, decode_threads=1).cores_to_leave(True, all_threads=1) == 0
-    assert share_with(0.1, 10.0, decode_threads=8).cores_to_leave(True, all_threads=4) == 3
+    assert share_with(0.1, 10.0, decode_threads=1).cores_to_leave(all_threads=1) == 0
+    assert share_with(0.1, 10.0, decode_threads=8).cores_to_leave(all_threads=4) == 3
 
 
 def test_forward_costs_are_normalized_to_every_thread_and_averaged() -> None:
     share = CoreShare(1)
     share.record_decode(1, 0.0011)
-    # 2 ms a tile on 1 of 2 threads is 1 ms a tile on both: 1 <= 2 * 1.1, so leave a core.
-    share.record_forward(10, 0.020, threads=1, all_threads=2)
-    assert share.cores_to_leave(True, 2) == 1
+    # 6 ms a tile on 1 of 2 threads is 3 ms a tile on both: 3 <= 3 * 1.1, so leave a core.
+    share.record_forward(10, 0.060, threads=1, all_threads=2)
+    assert share.cores_to_leave(2) == 1
     for _ in range(30):  # then the passes get slow: the average follows
         share.record_forward(10, 0.100, threads=2, all_threads=2)
-    assert share.cores_to_leave(True, 2) == 0
+    assert share.cores_to_leave(2) == 0
+
+
+def test_averages_weigh_each_call_by_its_tiles() -> None:
+    share = CoreShare(1)
+    share.record_decode(10, 0.012)
+    share.record_forward(1, 0.034, threads=2, all_threads=2)  # a lone slow tile at a burst's start
+    assert share.cores_to_leave(2) == 0  # 34 ms a tile so far
+    share.record_forward(50, 0.060, threads=2, all_threads=2)  # then a batch: ~1.8 ms a tile
+    assert share.cores_to_leave(2) == 1

@@ -12,14 +12,15 @@ a real share of the work. Per tile, with ``t`` threads, ``k`` of them left, a fo
 taking ``F`` at ``t`` threads and a decode taking ``D``: leaving costs the forward pass about
 ``F * k / (t - k)``; not leaving costs the decode about ``D`` or more (its core is taken by
 spinning workers, which slow the pass's own thread too). So cores are left only while requests
-are on their way (the pipeline is loaded) and ``F * k / (t - k) <= 2 D``: the tiny model on 2
+are on their way (the pipeline is loaded) and ``F * k / (t - k) <= 3 D``: the tiny model on 2
 cores (F ~1 ms, D ~1.4 ms) leaves one; ViT-S (F ~45 ms) never does; a 16-core box leaves one
-core while ``F <= 30 D``. A lone request always gets every core.
+core while ``F <= 45 D``. A lone request always gets every core.
 
-Both costs are measured as the client runs (moving averages of wall time; nothing is left before
-both are known), so the choice follows the model and the machine. Wall times under load include
-the contention itself, which favours what is already being done: a loaded tiny model measured F
-~2.5 and D ~2 ms while not leaving, still under the bound; once leaving, F ~1.3.
+Both costs are measured as the client runs (decaying, tile-weighted averages of wall time;
+nothing is left before both are known), so the choice follows the model and the machine. Wall
+times under load include the contention itself, which favours what is already being done: a
+loaded tiny model measured F ~2.5-3 and D ~1.2-2 ms while not leaving (hence the slack of 3);
+once leaving, F ~1.0-1.3.
 """
 
 from __future__ import annotations
@@ -28,13 +29,14 @@ import threading
 
 __all__ = ["CoreShare"]
 
-# Weight of the newest measurement in the moving averages.
-_ALPHA = 0.2
-# How much more the forward pass may lose than a decode gains: the estimate of what not leaving
-# costs ("about D") is low, since spinning workers slow the pass's own thread too. Measured on
-# 2 cores: the tiny model gains from leaving a core (F ~1 vs D ~1.4 ms alone, ~2.5 vs ~2 under
-# load while not leaving); a 45 ms ViT-S forward per tile never qualifies.
-_SLACK = 2.0
+# How much of the past a new measurement leaves in the averages.
+_DECAY = 0.8
+# How much more the forward pass may lose than a decode gains. The estimate of what not leaving
+# costs ("about D") is low: spinning workers slow the pass's own thread too, and a loaded pass
+# on every core measures slow because of that very contention. Measured on 2 cores, tiny model:
+# F ~2.5-3 ms a tile while not leaving (~1.0-1.3 once leaving), D ~1.2-2 ms; ViT-S: F ~45 ms.
+# 2 D was too tight (some runs never started leaving); 3 D leaves for the one, never the other.
+_SLACK = 3.0
 
 
 class CoreShare:
@@ -46,35 +48,53 @@ class CoreShare:
     def __init__(self, decode_threads: int) -> None:
         self.decode_threads = decode_threads
         self._lock = threading.Lock()
-        self._decode_s: float | None = None  # seconds per tile, one decode thread
-        self._forward_s: float | None = None  # seconds per tile, at every thread
+        self._decode = _PerTile()  # one decode thread
+        self._forward = _PerTile()  # normalized to every thread
 
     def record_decode(self, tiles: int, seconds: float) -> None:
-        if tiles > 0:
-            with self._lock:
-                self._decode_s = _average(self._decode_s, seconds / tiles)
+        with self._lock:
+            self._decode.add(tiles, seconds)
 
     def record_forward(self, tiles: int, seconds: float, threads: int, all_threads: int) -> None:
-        """A forward pass of ``tiles`` took ``seconds`` on ``threads`` of ``all_threads``."""
-        if tiles > 0 and all_threads > 0:
+        """A loaded forward pass of ``tiles`` took ``seconds`` on ``threads`` of ``all_threads``.
+
+        Only loaded passes are recorded: those are the ones the choice is for, and a lone
+        pass's cost per tile says little about a batch's (the tiny model: ~2.3 ms for one tile
+        alone, ~1 ms a tile in a batch of 50)."""
+        if all_threads > 0:
             # Normalized to every thread, assuming the pass scales with its threads (it nearly
             # does for batches: 98 vs 49 ms for 51 tiles of the tiny model on 1 and 2 threads).
-            per_tile = seconds / tiles * threads / all_threads
             with self._lock:
-                self._forward_s = _average(self._forward_s, per_tile)
+                self._forward.add(tiles, seconds * threads / all_threads)
 
-    def cores_to_leave(self, loaded: bool, all_threads: int) -> int:
-        """Threads the next forward pass should leave free; ``loaded``: requests are on their
-        way (queued for the next batch, or still being decoded)."""
+    def cores_to_leave(self, all_threads: int) -> int:
+        """Threads a loaded forward pass (requests are on their way: queued for the next batch,
+        or still being decoded) should leave free. A lone pass is not asked: it gets them all."""
         leave = min(self.decode_threads, all_threads - 1)
-        if not loaded or leave <= 0:
+        if leave <= 0:
             return 0
         with self._lock:
-            forward, decode = self._forward_s, self._decode_s
+            forward, decode = self._forward.per_tile(), self._decode.per_tile()
         if forward is None or decode is None:
             return 0
         return leave if forward * leave / (all_threads - leave) <= _SLACK * decode else 0
 
 
-def _average(old: float | None, new: float) -> float:
-    return new if old is None else old + _ALPHA * (new - old)
+class _PerTile:
+    """Seconds per tile over recent calls, weighted by their tiles: the first loaded pass of a
+    burst is often one tile, slow on a busy machine (20-34 ms for the tiny model), and must not
+    outweigh the batches of 50 that follow."""
+
+    __slots__ = ("seconds", "tiles")
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.tiles = 0.0
+
+    def add(self, tiles: int, seconds: float) -> None:
+        if tiles > 0:
+            self.seconds = self.seconds * _DECAY + seconds
+            self.tiles = self.tiles * _DECAY + tiles
+
+    def per_tile(self) -> float | None:
+        return self.seconds / self.tiles if self.tiles else None

@@ -89,18 +89,18 @@ def _forward(
 ) -> list[SampleOutput]:
     """Stack, run on the device (one pass at a time per device), split per sample.
 
-    With ``share`` (dynamic batching on a CPU device), the pass may run on fewer threads to
-    leave cores to the decoders while ``loaded()`` says requests are on their way; it records
-    its duration there either way (clients/cores.py).
+    With ``share`` (dynamic batching on a CPU device): while ``loaded()`` says requests are on
+    their way, the pass may run on fewer threads to leave cores to the decoders, and its
+    duration is recorded there (clients/cores.py).
 
     A function of the model, not a method of the client: schedulers hold it for their loop's
     lifetime, and must not keep the client alive.
     """
-    if model.device.type != "cpu":
-        share = None
+    if share is None or loaded is None or model.device.type != "cpu" or not loaded():
+        share = None  # idle, or not a CPU: every thread, and nothing to learn from
     all_threads = threads = torch.get_num_threads()
-    if share is not None and loaded is not None:
-        threads -= share.cores_to_leave(loaded(), all_threads)
+    if share is not None:
+        threads -= share.cores_to_leave(all_threads)
     # The stack too: a parallel copy wakes the OpenMP workers, which then spin for a while.
     with thread_count(threads if threads != all_threads else None):
         started = time.perf_counter()
