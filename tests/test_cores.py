@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from concurrency_helpers import body
+
+from histoinfer import ServerModel
 from histoinfer.clients.cores import CoreShare
+from histoinfer.clients.inprocess import _decode_chunk
+from histoinfer.errors import InvalidRequestError
 
 
 def share_with(forward_ms: float, decode_ms: float, decode_threads: int = 1) -> CoreShare:
@@ -51,3 +56,13 @@ def test_averages_weigh_each_call_by_its_tiles() -> None:
     assert share.cores_to_leave(2) == 0  # 34 ms a tile so far
     share.record_forward(50, 0.060, threads=2, all_threads=2)  # then a batch: ~1.8 ms a tile
     assert share.cores_to_leave(2) == 1
+
+
+def test_only_decode_chunks_of_queued_bodies_are_counted(tiny_model: ServerModel) -> None:
+    share = CoreShare(1)
+    _decode_chunk(tiny_model, share, [(body(0), "predict")])  # a lone body: an idle machine
+    assert share.cores_to_leave(2) == 0 and share._decode.per_tile() is None
+    decoded = _decode_chunk(tiny_model, share, [(body(1), "predict"), ("{", "predict")])
+    assert isinstance(decoded[1], InvalidRequestError)  # a refusal is returned, and counted
+    per_tile = share._decode.per_tile()
+    assert per_tile is not None and 0 < per_tile < 1.0

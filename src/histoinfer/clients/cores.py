@@ -16,8 +16,10 @@ are on their way (the pipeline is loaded) and ``F * k / (t - k) <= 3 D``: the ti
 cores (F ~1 ms, D ~1.4 ms) leaves one; ViT-S (F ~45 ms) never does; a 16-core box leaves one
 core while ``F <= 45 D``. A lone request always gets every core.
 
-Both costs are measured as the client runs (decaying, tile-weighted averages of wall time;
-nothing is left before both are known), so the choice follows the model and the machine. Wall
+Both costs are measured as the client runs, under load only (loaded forward passes, decode
+chunks of bodies that queued up: a lone request on an idle machine is faster than either), as
+decaying, tile-weighted averages of wall time; nothing is left before both are known, so the
+choice follows the model and the machine. Wall
 times under load include the contention itself, which favours what is already being done: a
 loaded tiny model measured F ~2.5-3 and D ~1.2-2 ms while not leaving (hence the slack of 3);
 once leaving, F ~1.0-1.3.

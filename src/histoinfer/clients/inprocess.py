@@ -140,10 +140,15 @@ def _decode_chunk(
 ) -> list[Decoded]:
     """The decode stage's batch function: one body's bad input must not fail its neighbours,
     so refusals are returned, not raised (anything else raised is a bug, and is bisected).
-    Its duration goes to ``share``: what the forward pass weighs leaving cores against."""
+
+    A chunk of several bodies (they queued up: the pipeline is loaded) records its duration in
+    ``share``, what a loaded forward pass weighs leaving cores against; a lone body decodes on
+    an idle machine, faster than under load, and is not counted (nor are lone forward passes).
+    """
     started = time.perf_counter()
     decoded = [_prepare_or_refusal(model, body, mode) for body, mode in jobs]
-    share.record_decode(len(jobs), time.perf_counter() - started)
+    if len(jobs) > 1:
+        share.record_decode(len(jobs), time.perf_counter() - started)
     return decoded
 
 
