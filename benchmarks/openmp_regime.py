@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """How a second thread's OpenMP team slows torch on the CPU (docs/benchmarks.md, session 3).
 
-Times, on this thread, a forward pass of one tile and the explicit ``predict_batch`` loop over
-512 tiles: with only this thread's team in the process, with a second thread alive that has run
-one forward pass (its team with it), and again once that thread has exited.
+Times a forward pass of one tile on the device's forward thread (where the clients run every
+forward pass, models/device_thread.py) and the explicit ``predict_batch`` loop over 512 tiles:
+with only that thread's team in the process, with a second thread alive that has run one
+forward pass (its team with it), and again once that thread has exited.
 
 python benchmarks/openmp_regime.py [--workdir DIR]
 """
@@ -20,6 +21,7 @@ import torch
 
 from histoinfer import InProcessClient, build_server_model
 from histoinfer.bench.runner import default_workdir, ensure_checkpoint, load_bodies
+from histoinfer.models.device_thread import device_thread
 
 
 def main() -> None:
@@ -32,13 +34,17 @@ def main() -> None:
     client = InProcessClient(model, dynamic_batching=False)
     one = torch.zeros(1, 3, 224, 224, dtype=torch.uint8)
 
-    def measure(label: str) -> None:
+    def forward_one() -> list[float]:
         forward = []
         for _ in range(60):
             t0 = time.perf_counter()
             model.forward_batch(one, "predict")
             forward.append(time.perf_counter() - t0)
             time.sleep(0.002)
+        return forward
+
+    def measure(label: str) -> None:
+        forward = device_thread(model.device).call(forward_one)
         loop = []
         for _ in range(5):
             t0 = time.perf_counter()
@@ -51,7 +57,7 @@ def main() -> None:
         )
 
     client.predict_batch(bodies[:64])  # warm-up
-    measure("this thread's team only")
+    measure("the device thread's team only")
     release = threading.Event()
 
     def second() -> None:

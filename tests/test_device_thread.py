@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -15,7 +17,7 @@ from concurrency_helpers import body, hooked_model, join_threads, start_threads
 from histoinfer import InProcessClient, ServerModel
 from histoinfer.batching import BatchScheduler, wait_future
 from histoinfer.clients.cores import CoreShare
-from histoinfer.clients.inprocess import _forward, device_lock
+from histoinfer.clients.inprocess import _forward, _prepare, device_lock
 from histoinfer.models import build_server_model
 from histoinfer.models.device_thread import DeviceThread, device_thread
 from histoinfer.models.openmp import per_thread_counts_supported, thread_count
@@ -220,3 +222,40 @@ def test_a_loaded_cpu_forward_pass_leaves_the_decoders_their_cores(
         worker.call(_forward, model, lock, [tile], "predict", share, lambda v=loaded: v)
     assert threads == [max(1, full - 1), full]  # a lone pass gets every core
     assert worker.call(torch.get_num_threads) == full  # restored for the next pass
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _threads_while(work: Callable[[], object]) -> int:
+    """How many more OS threads the process has while a fresh thread that ran ``work`` lives."""
+    done, release = threading.Event(), threading.Event()
+
+    def run() -> None:
+        work()
+        done.set()
+        release.wait(30)
+
+    before = _os_threads()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert done.wait(30), "the work hung"
+    during = _os_threads()
+    release.set()
+    thread.join(30)
+    return during - before - 1  # not counting the thread itself
+
+
+@pytest.mark.skipif(
+    not os.path.isdir("/proc/self/task") or torch.get_num_threads() < 2,
+    reason="needs Linux's /proc and more than one torch thread to see an OpenMP team",
+)
+def test_decoding_a_body_runs_no_parallel_torch_op(tiny_model: ServerModel) -> None:
+    """A parallel op on a decode thread gives it an OpenMP team of its own and puts the whole
+    process in libgomp's slow regime (a lone request ~1.3x as long, measured: a
+    ``.contiguous()`` copy of each tile did exactly that)."""
+    big = torch.ones(4_000_000)
+    assert _threads_while(lambda: big.add_(1)) >= 1  # the check sees a team being made
+    bodies = [body(i) for i in range(4)]
+    assert _threads_while(lambda: [_prepare(tiny_model, b, "predict") for b in bodies]) <= 0
