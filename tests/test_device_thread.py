@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -259,3 +261,51 @@ def test_decoding_a_body_runs_no_parallel_torch_op(tiny_model: ServerModel) -> N
     assert _threads_while(lambda: big.add_(1)) >= 1  # the check sees a team being made
     bodies = [body(i) for i in range(4)]
     assert _threads_while(lambda: [_prepare(tiny_model, b, "predict") for b in bodies]) <= 0
+
+
+_EXIT_WHILE_BUSY = """
+import sys, threading, torch
+from histoinfer.models import build_server_model
+from histoinfer.models.device_thread import device_thread
+model = build_server_model("h1", sys.argv[1])
+size = model.assets.tile_size
+batch = torch.zeros(64, 3, size, size, dtype=torch.uint8)
+started = threading.Event()
+def work():
+    started.set()
+    for _ in range(10):
+        model.forward_batch(batch, "predict")
+device_thread("cpu").submit(work)
+started.wait()
+sys.exit(3)  # e.g. a script whose main thread raised while a batch runs
+"""
+
+
+def test_the_process_exits_cleanly_while_a_forward_pass_runs(tiny_checkpoint: Path) -> None:
+    """A daemon thread still inside torch when the interpreter exits aborts the process (exit
+    status 134); the device thread lets its pass finish first."""
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_WHILE_BUSY, str(tiny_checkpoint)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert "terminate called" not in done.stderr
+
+
+def test_a_stopped_device_thread_runs_later_work_in_the_caller() -> None:
+    worker = DeviceThread("test-device")
+    assert worker.call(threading.get_ident) == worker.ident
+    queued_behind = threading.Event()
+
+    def slow() -> None:
+        queued_behind.wait(10)
+
+    first = worker.submit(slow)
+    second = worker.submit(lambda: "queued before stop")
+    queued_behind.set()
+    worker.stop(timeout=10)  # finishes what was queued before it, then ends the thread
+    assert first.result(timeout=10) is None
+    assert second.result(timeout=10) == "queued before stop"
+    assert worker.call(threading.get_ident) == threading.get_ident()

@@ -15,6 +15,7 @@ It also serializes the device's forward passes (SPEC §5) in the order they were
 
 from __future__ import annotations
 
+import atexit
 import os
 import queue
 import threading
@@ -29,6 +30,10 @@ __all__ = ["DeviceThread", "device_thread"]
 R = TypeVar("R")
 
 _Job = tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]
+_STOP: Any = object()  # the job that ends the thread
+
+#: Longest the interpreter's exit waits for a forward pass in progress (see ``stop``).
+EXIT_TIMEOUT_S = 60.0
 
 
 class DeviceThread:
@@ -43,6 +48,7 @@ class DeviceThread:
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
+        self._stopped = False
 
     @property
     def ident(self) -> int | None:
@@ -52,8 +58,9 @@ class DeviceThread:
     def submit(self, fn: Callable[..., R], *args: Any) -> Future[R]:
         """Queue ``fn(*args)``; its future completes on the device thread."""
         future: Future[R] = Future()
-        if threading.current_thread() is self._thread:
-            # A job that submits another (directly or through a client) would wait for itself.
+        if threading.current_thread() is self._thread or self._stopped:
+            # A job that submits another (directly or through a client) would wait for itself;
+            # after stop() (the interpreter is exiting) the caller's thread does the work.
             _run(future, fn, args)
             return future
         self._ensure_started()
@@ -73,11 +80,35 @@ class DeviceThread:
                 thread.start()
                 self._thread = thread
 
+    def stop(self, timeout: float | None = None) -> None:
+        """Run the jobs already queued, then end the thread (any that race in behind the stop
+        are cancelled).
+
+        Called at interpreter exit: the thread is a daemon, and a daemon thread still inside
+        torch when the process exits aborts it ("terminate called without an active
+        exception", exit status 134) — e.g. when a script's main thread raises while a batch
+        runs. Later submissions run in the caller's thread.
+        """
+        self._stopped = True
+        thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return
+        self._jobs.put((Future(), _STOP, ()))
+        thread.join(timeout)
+
     def _serve(self) -> None:
         while True:
             future, fn, args = self._jobs.get()
+            if fn is _STOP:
+                break
             _run(future, fn, args)
             del future, fn, args  # drop the job's references while idle
+        while True:  # stopped: nobody will run what is left
+            try:
+                future, fn, args = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            future.cancel()
 
 
 def _run(future: Future[Any], fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
@@ -108,3 +139,12 @@ def device_thread(device: torch.device | str) -> DeviceThread:
         if thread is None:
             thread = _THREADS[key] = DeviceThread(f"histoinfer-device-{key}")
         return thread
+
+
+@atexit.register
+def _stop_all() -> None:
+    """At exit, let each device thread finish its forward pass (see ``DeviceThread.stop``)."""
+    with _THREADS_GUARD:
+        threads = list(_THREADS.values())
+    for thread in threads:
+        thread.stop(EXIT_TIMEOUT_S)
