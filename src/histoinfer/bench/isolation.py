@@ -19,6 +19,7 @@ pipe. Children start with ``spawn``: a fork would inherit the parent's torch sta
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing
 import os
 from collections.abc import Callable
@@ -120,6 +121,12 @@ def _serve(conn: Connection, factory: Callable[..., Any], args: tuple[Any, ...])
     except BaseException as exc:  # reported to the parent, which raises
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
+    # Freeze the start-up heap (~330k objects from torch, the model and the bodies): a full
+    # garbage collection scans it in ~170 ms, and one landing inside a measurement of ~1 s cost
+    # that path alone 10-15% (seen: the explicit loop 408 vs 470 tiles/s in one of 4 reps).
+    # Services can do the same once their models are loaded (docs/benchmarks.md).
+    gc.collect()
+    gc.freeze()
     conn.send(("ready", {**getattr(obj, "info", {}), "pid": os.getpid()}))
     try:
         while True:
