@@ -180,6 +180,16 @@ async def test_ready_only_once_loaded_and_warm(tiny_model):
             assert (await http.post(f"/api/embed/{name}", content=make_body(1))).status_code == 200
 
 
+async def test_on_loaded_runs_once_every_model_is_ready(tiny_model):
+    app = create_app({"h1": lambda: fresh_client(tiny_model), "also": fresh_client(tiny_model)})
+    state: ServerState = app.state.histoinfer
+    seen: list[dict[str, str]] = []
+    state.on_loaded = lambda: seen.append({n: m.status for n, m in state.models.items()})
+    async with serving(app) as http:
+        assert (await http.get("/health/ready")).status_code == 200
+    assert seen == [{"h1": "ready", "also": "ready"}]
+
+
 async def test_a_model_that_fails_to_load_is_reported(tiny_model):
     def broken() -> InProcessClient:
         raise RuntimeError("checkpoint exploded")
@@ -188,6 +198,7 @@ async def test_a_model_that_fails_to_load_is_reported(tiny_model):
     state: ServerState = app.state.histoinfer
     fatal = threading.Event()
     state.on_fatal = fatal.set
+    state.on_loaded = lambda: pytest.fail("on_loaded ran although a model failed")
     async with serving(app, ready=False) as http:
         with anyio.fail_after(30):
             while not fatal.is_set():

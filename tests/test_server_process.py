@@ -123,6 +123,7 @@ def test_sigterm_lets_in_flight_requests_finish_and_refuses_new_ones(tiny_checkp
         code = server.proc.wait(timeout=60)
         assert code in (0, -signal.SIGTERM), server.output()
         assert "Traceback" not in server.output()
+        assert "start-up heap frozen" in server.output()  # once the models were loaded
 
 
 def test_cli_argument_errors(tiny_checkpoint, capsys):

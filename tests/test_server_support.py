@@ -122,3 +122,15 @@ if __name__ == "__main__":
     from histoinfer.cli import main
 
     raise SystemExit(main())
+
+
+def test_the_serve_cli_freezes_the_start_up_heap() -> None:
+    import gc
+
+    from histoinfer.server.cli import freeze_startup_heap
+
+    try:
+        freeze_startup_heap()
+        assert gc.get_freeze_count() > 0  # at least this test session's modules
+    finally:
+        gc.unfreeze()

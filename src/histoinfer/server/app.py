@@ -109,6 +109,9 @@ class ServerState:
         self.draining = False
         #: Called (on the event loop) if a model fails to load: the CLI stops the server.
         self.on_fatal: Callable[[], None] | None = None
+        #: Called (on the event loop) once every model is loaded and warm: the CLI freezes the
+        #: start-up heap there (``gc.freeze``).
+        self.on_loaded: Callable[[], None] | None = None
         self.http = HttpCounters()
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(StatsCollector(self.loaded_clients, self.http))
@@ -165,6 +168,8 @@ class ServerState:
                 return
             served.status = "ready"
             log.info("model %r is ready", served.name)
+        if self.on_loaded is not None:
+            self.on_loaded()
 
     async def close_all(self) -> None:
         """Finish in-flight work and release every client (they refuse new work after)."""

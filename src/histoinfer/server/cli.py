@@ -8,6 +8,7 @@ finish (up to ``--graceful-timeout``), then the clients are closed.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import math
 import signal
@@ -113,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
         warmup=not args.no_warmup,
     )
     state: ServerState = app.state.histoinfer
+    state.on_loaded = freeze_startup_heap
     names = ", ".join(state.models)
     print(
         f"histoinfer: serving {names} on http://{_authority(args.host, args.port)} "
@@ -128,6 +130,15 @@ def run(args: argparse.Namespace) -> int:
     for name, error in failed.items():
         print(f"histoinfer: error: model {name!r} failed to load: {error}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def freeze_startup_heap() -> None:
+    """Move everything allocated so far (torch, the models: ~330k objects) out of the garbage
+    collector's reach: a full collection otherwise scans it all, a ~125-170 ms pause that
+    lands on whichever requests are in flight (docs/benchmarks.md, "Session 4")."""
+    gc.collect()
+    gc.freeze()
+    log.info("start-up heap frozen: %d objects out of the collector's scans", gc.get_freeze_count())
 
 
 def _authority(host: str, port: int) -> str:
