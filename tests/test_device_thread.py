@@ -19,7 +19,7 @@ from concurrency_helpers import body, hooked_model, join_threads, start_threads
 from histoinfer import InProcessClient, ServerModel
 from histoinfer.batching import BatchScheduler, wait_future
 from histoinfer.clients.cores import CoreShare
-from histoinfer.clients.inprocess import _forward, _prepare, device_lock
+from histoinfer.clients.inprocess import _forward, _prepare
 from histoinfer.models import build_server_model
 from histoinfer.models.device_thread import DeviceThread, device_thread
 from histoinfer.models.openmp import per_thread_counts_supported, thread_count
@@ -46,8 +46,8 @@ def test_calls_run_in_order_on_one_thread_and_errors_reach_only_their_caller() -
     assert worker.ident != threading.get_ident()
 
 
-def test_calls_from_many_threads_never_overlap() -> None:
-    worker = DeviceThread("test-device")
+def _most_at_once(worker: DeviceThread, callers: int) -> int:
+    """The most jobs that ever ran at once while ``callers`` threads each called 10."""
     running = 0
     most = 0
     guard = threading.Lock()
@@ -61,9 +61,14 @@ def test_calls_from_many_threads_never_overlap() -> None:
         with guard:
             running -= 1
 
-    threads, errors = start_threads([lambda: [worker.call(job) for _ in range(10)]] * 6)
+    threads, errors = start_threads([lambda: [worker.call(job) for _ in range(10)]] * callers)
     join_threads(threads, timeout=30)
-    assert not errors and most == 1
+    assert not errors
+    return most
+
+
+def test_calls_from_many_threads_never_overlap() -> None:
+    assert _most_at_once(DeviceThread("test-device"), callers=6) == 1
 
 
 def test_a_job_that_submits_another_runs_it_inline_instead_of_waiting_for_itself() -> None:
@@ -219,9 +224,8 @@ def test_a_loaded_cpu_forward_pass_leaves_the_decoders_their_cores(
     share.record_forward(10, 0.001, full, full)  # 0.1 ms a tile: leaving a core pays
     size = tiny_model.assets.tile_size
     tile = torch.zeros(3, size, size, dtype=torch.uint8)
-    lock = device_lock(model.device)
     for loaded in (True, False):
-        worker.call(_forward, model, lock, [tile], "predict", share, lambda v=loaded: v)
+        worker.call(_forward, model, [tile], "predict", share, lambda v=loaded: v)
     assert threads == [max(1, full - 1), full]  # a lone pass gets every core
     assert worker.call(torch.get_num_threads) == full  # restored for the next pass
 
@@ -309,3 +313,11 @@ def test_a_stopped_device_thread_runs_later_work_in_the_caller() -> None:
     assert first.result(timeout=10) is None
     assert second.result(timeout=10) == "queued before stop"
     assert worker.call(threading.get_ident) == threading.get_ident()
+
+
+def test_jobs_run_one_at_a_time_even_after_stop_when_callers_run_them() -> None:
+    worker = DeviceThread("test-device")
+    worker.call(lambda: None)
+    worker.stop(timeout=10)  # from now on every caller runs its job in its own thread
+    assert worker.call(threading.get_ident) == threading.get_ident()
+    assert _most_at_once(worker, callers=4) == 1

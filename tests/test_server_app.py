@@ -358,3 +358,17 @@ async def test_openapi_documents_the_routes(tiny_model):
 def test_create_app_needs_a_model():
     with pytest.raises(ValueError, match="at least one model"):
         create_app({})
+
+
+async def test_the_warm_up_runs_on_the_device_thread(tiny_model):
+    """Run on the loading worker thread, the warm-up would leave it an OpenMP team."""
+    from concurrency_helpers import hooked_model
+
+    from histoinfer.models.device_thread import device_thread
+
+    idents: list[int] = []
+    model, watch = hooked_model(tiny_model, lambda batch: idents.append(threading.get_ident()))
+    async with serving(create_app(fresh_client(model))):
+        pass
+    assert watch.calls == 3  # one pass per mode
+    assert set(idents) == {device_thread("cpu").ident}

@@ -220,13 +220,12 @@ _LINE_PATTERNS: dict[str, tuple[tuple[str, str], ...]] = {
         ("b64decode(", "base64 decode"),
         ("_spng_decode(", "PNG decode"),
         ("frombuffer", "tensor build"),
-        (".permute(", "tensor build"),
+        ("ascontiguousarray(", "tensor build"),
         ("Image.open", "PNG decode"),
         (".load()", "PNG decode"),
     ),
     "clients/inprocess.py": (
         ("torch.stack(", "stack"),
-        ("_device_lock", "device lock wait"),
         (".split()", "split (.tolist)"),
     ),
 }

@@ -5,7 +5,7 @@ One request's path, top to bottom:
     body (JSON str) -> parse + check + decode   [worker thread, bounded]   (_prepare)
                        (dynamic mode: bodies that queue up are decoded a chunk per thread hop)
                     -> BatchScheduler of this loop and mode             (dynamic mode)
-                    -> stack + forward + split  [the device's thread, device lock] (_forward)
+                    -> stack + forward + split  [the device's thread] (_forward)
                     -> postprocess + JSON       [caller]                  (_finish)
 
 The microservice runs this same client, so in-process and remote behave the same by construction.
@@ -69,25 +69,15 @@ Decoded = Prepared | InvalidRequestError
 # chunks only form when bodies queue up, so a lone request still takes one hop on its own.
 DECODE_CHUNK = 8
 
-# One forward pass at a time per device, across every loop, thread and client (SPEC §5).
-_DEVICE_LOCKS: dict[str, threading.Lock] = {}
-_DEVICE_LOCKS_GUARD = threading.Lock()
-
-
-def device_lock(device: torch.device) -> threading.Lock:
-    with _DEVICE_LOCKS_GUARD:
-        return _DEVICE_LOCKS.setdefault(str(device), threading.Lock())
-
 
 def _forward(
     model: ServerModel,
-    lock: threading.Lock,
     tiles: list[torch.Tensor],
     mode: Mode,
     share: CoreShare | None = None,
     loaded: Callable[[], bool] | None = None,
 ) -> list[SampleOutput]:
-    """Stack, run on the device (one pass at a time per device), split per sample.
+    """Stack, run on the device, split per sample; on the device's thread (one pass at a time).
 
     With ``share`` (dynamic batching on a CPU device): while ``loaded()`` says requests are on
     their way, the pass may run on fewer threads to leave cores to the decoders, and its
@@ -105,8 +95,7 @@ def _forward(
     with thread_count(threads if threads != all_threads else None):
         started = time.perf_counter()
         batch = torch.stack(tiles)
-        with lock:
-            output = model.forward_batch(batch, mode)
+        output = model.forward_batch(batch, mode)
     if share is not None:
         share.record_forward(len(tiles), time.perf_counter() - started, threads, all_threads)
     samples = output.split()
@@ -156,7 +145,7 @@ class _LoopState:
     """What one event loop needs: its schedulers (one per mode) and its thread limiters.
 
     asyncio primitives bind to the first loop that waits on them, so nothing here is shared
-    between loops; only thread-safe things (the device lock, the stats) are. It holds the
+    between loops; only thread-safe things (the device thread, the stats) are. It holds the
     client weakly (see the module docstring).
     """
 
@@ -204,7 +193,6 @@ class _LoopState:
                 partial(
                     _forward,
                     client.server_model,
-                    client._device_lock,
                     mode=mode,
                     share=client._cores,
                     loaded=self.loaded,
@@ -294,8 +282,8 @@ class InProcessClient(ClosingContext):
         self._batch_decoder: ThreadPoolExecutor | None = None
         self._wait_for_room = overload == "wait"
         self._model_name = server_model.metadata().name
-        self._device_lock = device_lock(server_model.device)
-        # Every forward pass on the device's one thread: one OpenMP team (models/device_thread).
+        # Every forward pass on the device's one thread, one at a time across every loop, thread
+        # and client (SPEC §5), and one OpenMP team (models/device_thread.py).
         self._device_thread = device_thread(server_model.device)
         self._cores = CoreShare(self.prepare_threads)
         self._stats = {mode: BatchStats() for mode in MODES}
@@ -456,9 +444,7 @@ class InProcessClient(ClosingContext):
                 started = time.perf_counter()
                 try:
                     [output] = await wait_future(
-                        self._device_thread.submit(
-                            _forward, self.server_model, self._device_lock, [tile], mode
-                        )
+                        self._device_thread.submit(_forward, self.server_model, [tile], mode)
                     )
                 except Exception as exc:
                     self._stats[mode].record_error(type(exc).__name__)
@@ -529,7 +515,7 @@ class InProcessClient(ClosingContext):
         started = time.perf_counter()
         try:
             outputs = self._device_thread.call(
-                _forward, self.server_model, self._device_lock, [tile for _, tile in chunk], mode
+                _forward, self.server_model, [tile for _, tile in chunk], mode
             )
         except Exception as exc:
             stats.record_error(type(exc).__name__)
@@ -544,9 +530,7 @@ class InProcessClient(ClosingContext):
         failing = []
         for i, (request, tile) in enumerate(chunk):
             try:
-                self._device_thread.call(
-                    _forward, self.server_model, self._device_lock, [tile], mode
-                )
+                self._device_thread.call(_forward, self.server_model, [tile], mode)
             except Exception as single:
                 failing.append(f"batch position {offset + i} ({request.where()}): {single!r}")
         if not failing:

@@ -10,7 +10,9 @@ forward pass of one tile of the tiny model took 5.4 ms instead of 2.4 on 2 cores
 Running the load-time probe and every forward pass of the clients on this one thread leaves one
 team per device, whatever else the process does.
 
-It also serializes the device's forward passes (SPEC §5) in the order they were submitted.
+It also serializes the device's forward passes (SPEC §5): in the order they were submitted, and
+under the thread's lock even when one runs elsewhere (a job submitted from a job, or after
+``stop`` at interpreter exit, runs in the submitting thread).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class DeviceThread:
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
+        # One job at a time, wherever it runs; reentrant: a job may submit another.
+        self._running = threading.RLock()
         self._stopped = False
 
     @property
@@ -61,7 +65,7 @@ class DeviceThread:
         if threading.current_thread() is self._thread or self._stopped:
             # A job that submits another (directly or through a client) would wait for itself;
             # after stop() (the interpreter is exiting) the caller's thread does the work.
-            _run(future, fn, args)
+            self._run(future, fn, args)
             return future
         self._ensure_started()
         self._jobs.put((future, fn, args))
@@ -96,12 +100,23 @@ class DeviceThread:
         self._jobs.put((Future(), _STOP, ()))
         thread.join(timeout)
 
+    def _run(self, future: Future[Any], fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            with self._running:
+                result = fn(*args)
+        except BaseException as exc:  # the future carries it to the caller; the thread lives on
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+
     def _serve(self) -> None:
         while True:
             future, fn, args = self._jobs.get()
             if fn is _STOP:
                 break
-            _run(future, fn, args)
+            self._run(future, fn, args)
             del future, fn, args  # drop the job's references while idle
         while True:  # stopped: nobody will run what is left
             try:
@@ -109,17 +124,6 @@ class DeviceThread:
             except queue.Empty:
                 return
             future.cancel()
-
-
-def _run(future: Future[Any], fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
-    if not future.set_running_or_notify_cancel():
-        return
-    try:
-        result = fn(*args)
-    except BaseException as exc:  # the future carries it to the caller; the thread lives on
-        future.set_exception(exc)
-    else:
-        future.set_result(result)
 
 
 _THREADS: dict[str, DeviceThread] = {}

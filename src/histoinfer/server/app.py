@@ -29,8 +29,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from starlette.responses import JSONResponse, Response
 
 from .. import __version__
-from ..clients.inprocess import InProcessClient, device_lock
+from ..clients.inprocess import InProcessClient
 from ..errors import ClientClosedError, InvalidRequestError, UnsupportedModeError
+from ..models.device_thread import device_thread
 from ..schema import (
     INVOCATION_MODES,
     MODES,
@@ -202,8 +203,9 @@ def warm_up(client: InProcessClient) -> None:
     )
     tile = model.prepare_sample(request)
     for mode in meta.modes:
-        with device_lock(model.device):
-            output = model.forward_batch(torch.stack([tile]), mode)
+        # On the device's thread, like every pass: run on this worker thread, it would leave it
+        # an OpenMP team and slow every later pass (models/device_thread.py).
+        output = device_thread(model.device).call(model.forward_batch, torch.stack([tile]), mode)
         model.postprocess(request, output.split()[0], mode).model_dump_json()
 
 
