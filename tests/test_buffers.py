@@ -43,15 +43,30 @@ def test_leases_reuse_one_storage_and_grow_only_for_a_bigger_batch() -> None:
     assert pointers[4] == pointers[5]  # grown once for 6 tiles, then reused for 5
 
 
-def test_a_lease_taken_while_the_buffer_is_leased_gets_its_own_tensor() -> None:
+def test_leases_at_the_same_time_get_tensors_of_their_own_which_the_pool_keeps() -> None:
+    # Shards of one forward pass lease at the same time (models/shards.py).
     buffer = InputBuffer()
     first, second = tiles(2, 0), tiles(2, 1)
     with buffer.lease(first, CPU) as a, buffer.lease(second, CPU) as b:
         assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
-        assert not buffer.holds(b) and buffer.holds(a) and buffer.holds(a[1:])
+        assert buffer.holds(a) and buffer.holds(a[1:]) and buffer.holds(b)
         assert torch.equal(a, first.float()) and torch.equal(b, second.float())
-    with buffer.lease(second, CPU) as c:  # released: the buffer again
-        assert c.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+    assert not buffer.holds(first.float())
+    pointers = {a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr()}
+    for _ in range(3):  # released: both are reused, nothing new is made
+        with buffer.lease(second, CPU) as c, buffer.lease(first, CPU) as d:
+            assert {c.untyped_storage().data_ptr(), d.untyped_storage().data_ptr()} == pointers
+            assert torch.equal(c, second.float()) and torch.equal(d, first.float())
+
+
+def test_a_grown_tensor_replaces_the_smaller_one() -> None:
+    buffer = InputBuffer()
+    with buffer.lease(tiles(2), CPU):
+        pass
+    with buffer.lease(tiles(5), CPU) as big:
+        assert torch.equal(big, tiles(5).float())
+    assert buffer.holds(big)
+    assert len(buffer._free) == 1 and len(buffer._pointers) == 1  # one tensor, not two
 
 
 def test_concurrent_forward_passes_on_one_model_stay_correct(tiny_model: ServerModel) -> None:

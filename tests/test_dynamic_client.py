@@ -6,10 +6,12 @@ Every response is compared with the explicit-mode response to the same body (``e
 from __future__ import annotations
 
 import base64
+import gc
 import io
 import json
 import random
 import threading
+import warnings
 from typing import Any
 
 import anyio
@@ -344,3 +346,22 @@ async def test_sync_close_during_async_calls(tiny_model: ServerModel, where: str
                 await client.predict_async(body(0))
     for i, answer in zip(indices, expected(tiny_model, indices), strict=True):
         assert outputs_close(results[i], answer)
+
+
+def test_loops_that_used_fewer_decoders_than_allowed_leave_nothing_unclosed(
+    tiny_model: Any,
+) -> None:
+    """Decode schedulers are made when needed: one made but never used in a loop kept its
+    streams open past the loop's end (a ResourceWarning when collected)."""
+
+    async def lone() -> None:
+        with anyio.fail_after(60):
+            await client.predict_async(make_body(0))
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        with InProcessClient(tiny_model, prepare_threads=3) as client:
+            for backend in ("asyncio", "trio"):
+                anyio.run(lone, backend=backend)
+        gc.collect()
+    assert not [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]

@@ -20,6 +20,7 @@ import anyio
 import torch
 
 from ..clients.inprocess import InProcessClient
+from ..models import shards
 from ..models.base import ServerModel
 from ..models.device_thread import device_thread
 from .loopback import ServerProcess, http_unavailable
@@ -78,7 +79,9 @@ def _chunks(n: int, size: int) -> list[range]:
 
 
 class RawForward(BenchPath):
-    """``forward_batch`` over pre-decoded, pre-stacked tiles: the limit, no request handling."""
+    """The forward pass over pre-decoded, pre-stacked tiles: the limit, no request handling.
+
+    Run as the clients run it (``models.shards.forward``: a big enough CPU batch is sharded)."""
 
     name = "raw"
     label = "raw forward (pre-stacked tensors)"
@@ -95,7 +98,7 @@ class RawForward(BenchPath):
             started = clock()
             for batch in batches:
                 t0 = clock()
-                model.forward_batch(batch, "predict")
+                shards.forward(model, batch, "predict")
                 latencies.extend([clock() - t0] * len(batch))
             return clock() - started
 

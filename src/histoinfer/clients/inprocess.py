@@ -46,6 +46,7 @@ from ..errors import (
     InvalidRequestError,
     ModelExecutionError,
 )
+from ..models import shards
 from ..models.base import SampleOutput, ServerModel
 from ..models.device_thread import device_thread
 from ..models.openmp import thread_count
@@ -79,23 +80,25 @@ def _forward(
 ) -> list[SampleOutput]:
     """Stack, run on the device, split per sample; on the device's thread (one pass at a time).
 
-    With ``share`` (dynamic batching on a CPU device): while ``loaded()`` says requests are on
+    A big enough batch on a small CPU box runs as shards on single-threaded workers, which
+    leave the decoders their share of the cores by themselves (models/shards.py). Other passes
+    with ``share`` (dynamic batching on a CPU device): while ``loaded()`` says requests are on
     their way, the pass may run on fewer threads to leave cores to the decoders, and its
     duration is recorded there (clients/cores.py).
 
     A function of the model, not a method of the client: schedulers hold it for their loop's
     lifetime, and must not keep the client alive.
     """
-    if share is None or loaded is None or model.device.type != "cpu" or not loaded():
-        share = None  # idle, or not a CPU: every thread, and nothing to learn from
     all_threads = threads = torch.get_num_threads()
+    sharded = shards.plan(model.device, len(tiles), all_threads)[0] > 1
+    if sharded or share is None or loaded is None or model.device.type != "cpu" or not loaded():
+        share = None  # sharded, idle, or not a CPU: every thread, and nothing to learn from
     if share is not None:
         threads -= share.cores_to_leave(all_threads)
     # The stack too: a parallel copy wakes the OpenMP workers, which then spin for a while.
     with thread_count(threads if threads != all_threads else None):
         started = time.perf_counter()
-        batch = torch.stack(tiles)
-        output = model.forward_batch(batch, mode)
+        output = shards.forward(model, tiles, mode)
     if share is not None:
         share.record_forward(len(tiles), time.perf_counter() - started, threads, all_threads)
     samples = output.split()
@@ -158,17 +161,13 @@ class _LoopState:
         # The decode stage: one small scheduler per decode thread, each decoding the bodies
         # that queued up while its previous chunk ran, in one hop. Admission is the forward
         # schedulers' (a caller holds a reservation there while decoding): unbounded here.
-        # Dynamic mode only: batch-size-1 calls decode in one to_thread hop each.
-        self.decoders: list[BatchScheduler[tuple[str | bytes, Mode], Decoded]] = [
-            BatchScheduler(
-                partial(_decode_chunk, owner.server_model, owner._cores),
-                max_batch_size=DECODE_CHUNK,
-                max_wait_ms=0,
-                max_queue=None,
-                name=f"{owner._model_name}:decode-{i}",
-            )
-            for i in range(owner.prepare_threads if owner.dynamic_batching else 0)
-        ]
+        # Dynamic mode only: batch-size-1 calls decode in one to_thread hop each. Made when
+        # first needed: one never used would end with the loop unclosed.
+        self.decoders: list[BatchScheduler[tuple[str | bytes, Mode], Decoded]] = []
+        self._most_decoders = owner.prepare_threads if owner.dynamic_batching else 0
+        self._decode_chunk = partial(_decode_chunk, owner.server_model, owner._cores)
+        self._model_name = owner._model_name
+        self._closing = False
         self._client = client
         self._key = key
 
@@ -179,8 +178,23 @@ class _LoopState:
         return any(scheduler.queue_depth or scheduler.preparing for scheduler in schedulers)
 
     def decoder(self) -> BatchScheduler[tuple[str | bytes, Mode], Decoded]:
-        """The decode scheduler with the shortest queue."""
-        return min(self.decoders, key=lambda decoder: decoder.queue_depth)
+        """The decode scheduler with the shortest queue; a new one while each has a queue."""
+        shortest = min(self.decoders, key=lambda decoder: decoder.queue_depth, default=None)
+        if shortest is not None and (
+            shortest.queue_depth == 0 or len(self.decoders) >= self._most_decoders
+        ):
+            return shortest
+        decoder = BatchScheduler(
+            self._decode_chunk,
+            max_batch_size=DECODE_CHUNK,
+            max_wait_ms=0,
+            max_queue=None,
+            name=f"{self._model_name}:decode-{len(self.decoders)}",
+        )
+        self.decoders.append(decoder)
+        if self._closing:
+            decoder.close_soon()  # refuses the body, as the decoders closed with the state do
+        return decoder
 
     def scheduler(self, mode: Mode) -> BatchScheduler[torch.Tensor, SampleOutput]:
         scheduler = self.schedulers.get(mode)
@@ -209,6 +223,7 @@ class _LoopState:
 
     def close_soon(self) -> None:
         """Let each scheduler finish its queue and end, in this state's loop; any thread."""
+        self._closing = True
         for scheduler in self.schedulers.values():
             scheduler.close_soon()
         for decoder in self.decoders:
@@ -619,15 +634,20 @@ async def _in_host_loop(fn: Callable[[str], Coroutine[Any, Any, T]], body: str) 
 
 
 def _default_prepare_threads(device: torch.device) -> int:
-    """Decode threads per loop: on a CPU device, the cores torch's forward pass leaves free.
+    """Decode threads per loop: on a CPU device, the cores torch's forward pass leaves free,
+    or every core where big passes are sharded.
 
-    A CPU forward pass already runs ``torch.get_num_threads()`` threads; more decoders than
-    the remaining cores oversubscribe the machine and slow the forward pass down more than
-    they gain (measured: docs/benchmarks.md). On an accelerator the CPU is free for decoding.
+    A CPU forward pass on torch's threads holds ``torch.get_num_threads()`` cores (its OpenMP
+    workers spin between ops); more decoders than the remaining cores oversubscribe the
+    machine and slow the pass down more than they gain. A sharded pass (models/shards.py)
+    spins nowhere, so decoders and parts share every core: on 2 cores, 2 decode threads gave
+    dynamic batching 1.20-1.22x the explicit loop, 1 thread 1.15x (docs/benchmarks.md,
+    "Session 5"). On an accelerator the CPU is free for decoding.
     """
     cores = os.cpu_count() or 2
     if device.type == "cpu":
-        return max(1, cores - torch.get_num_threads())
+        threads = torch.get_num_threads()
+        return cores if shards.available(device, threads) else max(1, cores - threads)
     return max(2, cores)
 
 

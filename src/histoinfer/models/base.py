@@ -52,6 +52,19 @@ class BatchOutput:
         tensor = self.predictions if self.predictions is not None else self.embedding
         return 0 if tensor is None else int(tensor.shape[0])
 
+    @classmethod
+    def concat(cls, parts: Sequence[BatchOutput]) -> BatchOutput:
+        """The outputs of consecutive parts of one batch, as the batch's output."""
+
+        def cat(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
+            present = [t for t in tensors if t is not None]
+            return torch.cat(present) if len(present) == len(tensors) else None
+
+        return cls(
+            predictions=cat([p.predictions for p in parts]),
+            embedding=cat([p.embedding for p in parts]),
+        )
+
     def split(self) -> list[SampleOutput]:
         # One .tolist() per tensor for the whole batch: far cheaper than one per sample.
         preds = self.predictions.tolist() if self.predictions is not None else None

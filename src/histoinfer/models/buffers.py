@@ -1,4 +1,4 @@
-"""``InputBuffer``: one float batch tensor reused across forward passes on the CPU.
+"""``InputBuffer``: float batch tensors reused across CPU forward passes.
 
 Why: a float32 batch of 64 tiles of 224 px is 38.5 MB. glibc serves an allocation that large
 with a fresh ``mmap`` (above its 32 MB ceiling for the heap), and hands it back with ``munmap``
@@ -6,6 +6,10 @@ when freed, so every batch page-faulted all 9,400 of its pages in again: convert
 normalizing a batch of 64 took ~12.8 ms on one core instead of ~4.7 ms into a reused tensor
 (docs/benchmarks.md). CUDA's caching allocator already reuses device memory, so only CPU batches
 lease the buffer.
+
+A CPU forward pass may run as shards on several threads at once (models/shards.py), so the
+buffer is a small pool: as many tensors as passes have ever run at the same time, each grown to
+the largest batch it has held.
 """
 
 from __future__ import annotations
@@ -20,37 +24,46 @@ __all__ = ["InputBuffer"]
 
 
 class InputBuffer:
-    """A float32 tensor leased to one forward pass at a time; it grows to the largest batch.
-
-    A second forward pass running meanwhile (the clients serialize them per device, direct
-    callers of ``forward_batch`` may not) gets a fresh tensor instead of waiting.
-    """
+    """Float32 tensors leased to one forward pass each; a lease takes a free one or makes one."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._storage: torch.Tensor | None = None
+        self._free: list[torch.Tensor] = []
+        #: data pointers of every tensor of the pool, leased or free
+        self._pointers: set[int] = set()
 
     @contextmanager
     def lease(self, batch: torch.Tensor, device: torch.device) -> Iterator[torch.Tensor]:
-        """``batch`` converted to float32 on ``device``, in the buffer when it is free."""
-        if device.type != "cpu" or batch.device.type != "cpu" or not self._lock.acquire(False):
+        """``batch`` converted to float32 on ``device``, in a tensor of the pool on a CPU."""
+        if device.type != "cpu" or batch.device.type != "cpu":
             yield batch.to(device, non_blocking=True).to(torch.float32, copy=True)
             return
+        numel = batch.numel()
+        storage = self._take(numel)
         try:
-            numel = batch.numel()
-            if self._storage is None or self._storage.numel() < numel:
-                self._storage = None  # the old one is freed before the bigger one is made
-                self._storage = torch.empty(numel, dtype=torch.float32)
-            x = self._storage[:numel].view(batch.shape)
-            yield x.copy_(batch)
+            yield storage[:numel].view(batch.shape).copy_(batch)
         finally:
-            self._lock.release()
+            with self._lock:
+                self._free.append(storage)
+
+    def _take(self, numel: int) -> torch.Tensor:
+        with self._lock:
+            if self._free:
+                # The largest free one: it most likely fits, and the pool stays small.
+                largest = max(range(len(self._free)), key=lambda i: self._free[i].numel())
+                storage = self._free.pop(largest)
+                if storage.numel() >= numel:
+                    return storage
+                self._pointers.discard(storage.data_ptr())
+                del storage  # freed before the bigger one is made
+        storage = torch.empty(numel, dtype=torch.float32)
+        with self._lock:
+            self._pointers.add(storage.data_ptr())
+        return storage
 
     def holds(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` shares memory with the buffer."""
-        storage = self._storage
-        return (
-            storage is not None
-            and tensor.device.type == "cpu"
-            and tensor.untyped_storage().data_ptr() == storage.untyped_storage().data_ptr()
-        )
+        """Whether ``tensor`` shares memory with a tensor of the pool."""
+        if tensor.device.type != "cpu":
+            return False
+        with self._lock:
+            return tensor.untyped_storage().data_ptr() in self._pointers

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["DeviceThread", "device_thread"]
+__all__ = ["DeviceThread", "device_thread", "helper_threads"]
 
 R = TypeVar("R")
 
@@ -133,8 +133,17 @@ _THREADS_PID = os.getpid()
 
 def device_thread(device: torch.device | str) -> DeviceThread:
     """The process's forward thread for ``device`` (one per device string, e.g. ``cuda:0``)."""
+    return _registered(str(device))
+
+
+def helper_threads(device: torch.device | str, count: int) -> list[DeviceThread]:
+    """``count`` threads that help ``device``'s thread run the shards of one CPU forward pass
+    (models/shards.py); only that thread submits to them."""
+    return [_registered(f"{device}/helper-{i}") for i in range(1, count + 1)]
+
+
+def _registered(key: str) -> DeviceThread:
     global _THREADS_PID
-    key = str(device)
     with _THREADS_GUARD:
         if os.getpid() != _THREADS_PID:  # a forked child inherits the dict, not the threads
             _THREADS.clear()

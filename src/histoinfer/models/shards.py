@@ -1,0 +1,127 @@
+"""Sharded CPU forward passes: one batch, run as parts on single-threaded workers.
+
+Why: torch runs a CPU forward pass on OpenMP threads that meet at a barrier after every op.
+On a small box that wastes cores twice over. The team is ~84% efficient (the tiny model: 1.02 ms
+of wall time a tile on 2 threads, i.e. 2.04 ms of CPU, against 1.72 ms on one), and with a
+single OpenMP team in the process (models/device_thread.py) its workers spin for ~5 ms after
+every region, holding the cores the decode threads need. Splitting the batch into parts that
+run whole on single-threaded workers, each pulling the next part when it is done, needs no
+barrier and no spinning: the parts' threads and the decoders share the cores through the OS
+scheduler, and nothing spins while another thread waits for a core. Measured on 2 cores
+(docs/benchmarks.md, "Session 5"): a batch of 64 alone 0.92-0.98 ms a tile against 1.02-1.12
+with OpenMP, and dynamic batching of the tiny model 1.27x the explicit loop instead of 1.13-1.15x.
+
+It is still one forward pass (SPEC §5: one at a time per device): the device's thread runs it,
+works on its parts itself, and returns only once every helper is done with the others. Small
+batches (fewer than ``2 * MIN_PART_TILES`` tiles: a lone request, a light load) keep torch's
+threads, which is what makes a lone request fast. Boxes with more than ``MAX_WORKERS`` torch
+threads keep torch's threads too: many single-threaded parts would serialize on the GIL the
+program's Python between ops, and it has not been measured there.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from concurrent.futures import wait
+
+import torch
+
+from ..schema import Mode
+from .base import BatchOutput, ServerModel
+from .device_thread import helper_threads
+from .openmp import per_thread_counts_supported, thread_count
+
+__all__ = ["MAX_WORKERS", "MIN_PART_TILES", "available", "forward", "plan"]
+
+#: Fewest tiles in one part: a part of 8 of the tiny model runs at ~the per-tile cost of 32.
+MIN_PART_TILES = 8
+#: Most workers (the device's thread included) a pass is split across.
+MAX_WORKERS = 4
+# Parts per worker: more than one lets a worker whose core was taken by a decoder do less.
+_PARTS_PER_WORKER = 2
+
+Tiles = torch.Tensor | Sequence[torch.Tensor]
+
+
+def available(device: torch.device, threads: int) -> bool:
+    """Whether big enough passes on ``device`` with ``threads`` torch threads are sharded."""
+    return (
+        device.type == "cpu"
+        and 2 <= threads <= MAX_WORKERS
+        and per_thread_counts_supported()  # else each part would run on every core
+    )
+
+
+def plan(device: torch.device, tiles: int, threads: int) -> tuple[int, int]:
+    """``(workers, part_size)`` for a pass of ``tiles`` on ``device`` with ``threads`` torch
+    threads; ``workers == 1``: not sharded (torch's threads run the whole batch)."""
+    if tiles < 2 * MIN_PART_TILES or not available(device, threads):
+        return 1, tiles
+    workers = min(threads, tiles // MIN_PART_TILES)
+    parts = workers * _PARTS_PER_WORKER
+    size = max(MIN_PART_TILES, -(-tiles // parts))
+    return workers, size
+
+
+def forward(
+    model: ServerModel, tiles: Tiles, mode: Mode, threads: int | None = None
+) -> BatchOutput:
+    """One forward pass over ``tiles`` (a stacked ``uint8`` batch or a list of tiles), on the
+    device's thread: sharded where :func:`plan` says so, else ``forward_batch`` as it is.
+
+    ``threads``: the torch threads the pass may use (default: this thread's count). A list is
+    stacked part by part, on the workers."""
+    if threads is None:
+        threads = torch.get_num_threads()
+    workers, size = plan(model.device, len(tiles), threads)
+    if workers == 1:
+        return model.forward_batch(_stacked(tiles, slice(None)), mode)
+    parts = [slice(start, start + size) for start in range(0, len(tiles), size)]
+    outputs: list[BatchOutput | None] = [None] * len(parts)
+    claim = _Claims(len(parts))
+
+    def work() -> None:
+        with thread_count(1):
+            while (index := claim.next()) is not None:
+                try:
+                    outputs[index] = model.forward_batch(_stacked(tiles, parts[index]), mode)
+                except BaseException:
+                    claim.stop()  # the others take no new part: the pass has failed
+                    raise
+
+    helpers = [thread.submit(work) for thread in helper_threads(model.device, workers - 1)]
+    try:
+        work()
+    finally:
+        wait(helpers)  # never return while a helper still runs this pass
+    for helper in helpers:
+        helper.result()  # a helper's error, as the pass's
+    done = [out for out in outputs if out is not None]
+    if len(done) != len(parts):  # pragma: no cover - every part ran, or the pass raised
+        raise RuntimeError(f"a sharded forward pass ran {len(done)} of {len(parts)} parts")
+    return BatchOutput.concat(done)
+
+
+def _stacked(tiles: Tiles, part: slice) -> torch.Tensor:
+    return tiles[part] if isinstance(tiles, torch.Tensor) else torch.stack(list(tiles[part]))
+
+
+class _Claims:
+    """Hands out part indices, each once, until they run out or the pass fails."""
+
+    def __init__(self, parts: int) -> None:
+        self._lock = threading.Lock()
+        self._next = 0
+        self._parts = parts
+
+    def next(self) -> int | None:
+        with self._lock:
+            if self._next >= self._parts:
+                return None
+            self._next += 1
+            return self._next - 1
+
+    def stop(self) -> None:
+        with self._lock:
+            self._next = self._parts

@@ -1,0 +1,188 @@
+"""Sharded CPU forward passes: one batch run as parts on single-threaded workers."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import pytest
+import torch
+from concurrency_helpers import body, hooked_model
+
+from histoinfer import InProcessClient, ServerModel
+from histoinfer.models import shards
+from histoinfer.models.device_thread import device_thread, helper_threads
+from histoinfer.models.openmp import per_thread_counts_supported
+
+CPU = torch.device("cpu")
+
+needs_per_thread_counts = pytest.mark.skipif(
+    not per_thread_counts_supported(),
+    reason="torch's OpenMP runtime here is not libgomp: passes are never sharded",
+)
+
+
+def tiles(n: int, size: int = 224, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, 3, size, size), dtype=torch.uint8, generator=gen)
+
+
+@needs_per_thread_counts
+@pytest.mark.parametrize(
+    ("tiles_", "threads", "expected"),
+    [
+        (51, 2, (2, 13)),  # two workers, two parts each
+        (64, 2, (2, 16)),
+        (16, 2, (2, 8)),  # the smallest sharded pass: two parts of MIN_PART_TILES
+        (15, 2, (1, 15)),  # too small: torch's threads run it
+        (1, 2, (1, 1)),  # a lone request: every core, at once
+        (64, 4, (4, 8)),
+        (20, 4, (2, 8)),  # no more workers than parts of MIN_PART_TILES
+        (64, 1, (1, 64)),  # one torch thread: nothing to share
+        (64, shards.MAX_WORKERS + 1, (1, 64)),  # not measured on bigger boxes
+    ],
+)
+def test_plan(tiles_: int, threads: int, expected: tuple[int, int]) -> None:
+    assert shards.plan(CPU, tiles_, threads) == expected
+
+
+def test_accelerators_are_never_sharded() -> None:
+    assert shards.plan(torch.device("cuda"), 64, 2) == (1, 64)
+    assert not shards.available(torch.device("cuda"), 2)
+
+
+@needs_per_thread_counts
+@pytest.mark.parametrize("as_list", [False, True])
+def test_a_sharded_pass_gives_every_tile_its_own_output_in_order(
+    tiny_model: ServerModel, as_list: bool
+) -> None:
+    batch = tiles(37)
+    calls: list[tuple[int, int, int]] = []
+    model, _ = hooked_model(
+        tiny_model,
+        lambda part: calls.append(
+            (int(part.shape[0]), threading.get_ident(), torch.get_num_threads())
+        ),
+    )
+    worker = device_thread("cpu")
+    given = list(batch) if as_list else batch
+    out = worker.call(shards.forward, model, given, "predict_with_embedding", 2)
+    # Each tile alone: the same model, one tile per pass, no sharding.
+    alone = [tiny_model.forward_batch(batch[i : i + 1], "predict_with_embedding") for i in (0, 36)]
+    assert out.predictions is not None and out.embedding is not None
+    assert out.predictions.shape[0] == out.embedding.shape[0] == 37
+    for row, single in zip((0, 36), alone, strict=True):
+        assert single.predictions is not None and single.embedding is not None
+        torch.testing.assert_close(out.predictions[row], single.predictions[0])
+        torch.testing.assert_close(out.embedding[row], single.embedding[0])
+    whole = tiny_model.forward_batch(batch, "predict_with_embedding")
+    assert whole.predictions is not None
+    torch.testing.assert_close(out.predictions, whole.predictions)
+    assert sorted(size for size, _, _ in calls) == [7, 10, 10, 10]  # 2 workers x 2 parts
+    assert {threads for _, _, threads in calls} == {1}  # each part single-threaded
+    helper = helper_threads("cpu", 1)[0]
+    assert {ident for _, ident, _ in calls} <= {worker.ident, helper.ident}
+    assert worker.call(torch.get_num_threads) == torch.get_num_threads()  # restored
+
+
+@needs_per_thread_counts
+def test_a_failing_part_fails_the_pass_only_after_every_worker_stopped(
+    tiny_model: ServerModel,
+) -> None:
+    running = 0
+    most_after_failure: list[int] = []
+    guard = threading.Lock()
+    failed = threading.Event()
+
+    def before(part: torch.Tensor) -> None:
+        nonlocal running
+        with guard:
+            running += 1
+        try:
+            if int(part[0, 0, 0, 0]) == 255:  # the marked part
+                failed.set()
+                raise RuntimeError("bad part")
+            time.sleep(0.05)  # the other worker is still busy when the failure happens
+        finally:
+            with guard:
+                running -= 1
+
+    batch = tiles(64)
+    batch[:, 0, 0, 0] = 0
+    batch[32, 0, 0, 0] = 255  # first tile of the third part (parts of 16)
+    model, watch = hooked_model(tiny_model, before)
+
+    def run() -> None:
+        try:
+            shards.forward(model, batch, "predict", 2)
+        finally:
+            most_after_failure.append(running)
+
+    with pytest.raises(RuntimeError, match="bad part"):
+        device_thread("cpu").call(run)
+    assert failed.is_set()
+    assert most_after_failure == [0]  # nothing of the pass still runs once it has raised
+    assert watch.calls < 4  # the fourth part was never started
+
+
+@needs_per_thread_counts
+def test_a_sharded_pass_returns_only_once_every_part_is_done(tiny_model: ServerModel) -> None:
+    """SPEC §5: one forward pass at a time per device. The device's thread runs the next pass
+    only once this one returns, so no part of it may still be running then."""
+    running = 0
+    most = 0
+    guard = threading.Lock()
+    at_return: list[int] = []
+    model, watch = hooked_model(tiny_model)
+    original = model.forward_batch
+
+    def forward_batch(part: torch.Tensor, mode: str) -> object:
+        nonlocal running, most
+        with guard:
+            running += 1
+            most = max(most, running)
+        try:
+            time.sleep(0.02 if threading.get_ident() != device_thread("cpu").ident else 0)
+            return original(part, mode)  # type: ignore[arg-type]
+        finally:
+            with guard:
+                running -= 1
+
+    model.forward_batch = forward_batch  # type: ignore[assignment]
+
+    def run() -> None:
+        shards.forward(model, tiles(64), "predict", 2)
+        at_return.append(running)
+
+    for _ in range(3):
+        device_thread("cpu").call(run)
+    assert at_return == [0, 0, 0]
+    assert most <= 2 and watch.calls == 12  # two workers, four parts a pass
+
+
+@needs_per_thread_counts
+def test_the_explicit_loop_and_dynamic_batching_agree_with_sharding(
+    tiny_model: ServerModel,
+) -> None:
+    bodies = [body(i) for i in range(40)]
+    with InProcessClient(tiny_model, max_batch_size=40, dynamic_batching=False) as client:
+        sharded = client.predict_batch(bodies)  # one pass of 40: sharded
+    with InProcessClient(tiny_model, max_batch_size=1, dynamic_batching=False) as client:
+        alone = client.predict_batch(bodies)  # 40 passes of 1: never sharded
+    for got, expected in zip(sharded, alone, strict=True):
+        a, b = json.loads(got), json.loads(expected)
+        assert (a["x"], a["y"]) == (b["x"], b["y"])
+        torch.testing.assert_close(torch.tensor(a["output"]), torch.tensor(b["output"]))
+
+
+def test_default_decode_threads_use_every_core_where_passes_are_sharded(
+    tiny_model: ServerModel,
+) -> None:
+    with InProcessClient(tiny_model) as client:
+        threads = torch.get_num_threads()
+        if shards.available(CPU, threads):
+            assert client.prepare_threads == (os.cpu_count() or 2)
+        else:
+            assert client.prepare_threads == max(1, (os.cpu_count() or 2) - threads)
