@@ -21,7 +21,12 @@ from histoinfer.batching import BatchScheduler, wait_future
 from histoinfer.clients.cores import CoreShare
 from histoinfer.clients.inprocess import _forward, _prepare
 from histoinfer.models import build_server_model
-from histoinfer.models.device_thread import DeviceThread, device_thread
+from histoinfer.models.device_thread import (
+    DeviceThread,
+    device_key,
+    device_thread,
+    helper_threads,
+)
 from histoinfer.models.openmp import per_thread_counts_supported, thread_count
 
 
@@ -80,6 +85,17 @@ def test_a_job_that_submits_another_runs_it_inline_instead_of_waiting_for_itself
 def test_one_thread_per_device_string() -> None:
     assert device_thread("cpu") is device_thread(torch.device("cpu"))
     assert device_thread("cpu") is not device_thread("meta")
+
+
+def test_a_bare_cuda_is_the_current_cuda_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``cuda`` and ``cuda:1`` (the current device) are one GPU: one thread, one lock."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert device_key("cuda") == device_key(torch.device("cuda:1")) == "cuda:1"
+    assert device_thread("cuda") is device_thread("cuda:1")
+    assert device_thread("cuda") is not device_thread("cuda:0")
+    assert helper_threads("cuda", 1) == helper_threads("cuda:1", 1)
+    assert device_key("cpu") == "cpu"
 
 
 def test_the_load_time_probe_runs_on_the_device_thread(

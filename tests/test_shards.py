@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -186,3 +189,39 @@ def test_default_decode_threads_use_every_core_where_passes_are_sharded(
             assert client.prepare_threads == (os.cpu_count() or 2)
         else:
             assert client.prepare_threads == max(1, (os.cpu_count() or 2) - threads)
+
+
+_TEAM_CHECK = """
+import os, sys, torch
+from histoinfer.models import build_server_model, shards
+from histoinfer.models.device_thread import device_thread, helper_threads
+
+def tasks():
+    return {int(task) for task in os.listdir("/proc/self/task")}
+
+model = build_server_model("h1", sys.argv[1])
+worker = device_thread("cpu")
+worker.call(model.forward_batch, torch.zeros(1, 3, 224, 224, dtype=torch.uint8), "predict")
+batch = torch.zeros(32, 3, 224, 224, dtype=torch.uint8)
+before = tasks()
+for _ in range(3):
+    worker.call(shards.forward, model, batch, "predict", 2)
+print(sorted(tasks() - before), helper_threads("cpu", 1)[0]._thread.native_id)
+"""
+
+
+@needs_per_thread_counts
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux's /proc")
+def test_parts_run_on_no_openmp_team_of_their_own(tiny_checkpoint: Path) -> None:
+    """A helper that ran a parallel op would get a team, and the process more OpenMP threads
+    than cores: libgomp's slow regime (models/device_thread.py). In a fresh process (this one
+    has run anything), only the helper itself may appear."""
+    result = subprocess.run(
+        [sys.executable, "-c", _TEAM_CHECK, str(tiny_checkpoint)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    new, helper = result.stdout.strip().rsplit(" ", 1)
+    assert new == f"[{helper}]", result.stdout

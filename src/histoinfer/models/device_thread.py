@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["DeviceThread", "device_thread", "helper_threads"]
+__all__ = ["DeviceThread", "device_key", "device_thread", "helper_threads"]
 
 R = TypeVar("R")
 
@@ -132,14 +132,26 @@ _THREADS_PID = os.getpid()
 
 
 def device_thread(device: torch.device | str) -> DeviceThread:
-    """The process's forward thread for ``device`` (one per device string, e.g. ``cuda:0``)."""
-    return _registered(str(device))
+    """The process's forward thread for ``device`` (one per device: ``cuda`` and ``cuda:0``
+    are one device when 0 is the current one)."""
+    return _registered(device_key(device))
 
 
 def helper_threads(device: torch.device | str, count: int) -> list[DeviceThread]:
     """``count`` threads that help ``device``'s thread run the shards of one CPU forward pass
     (models/shards.py); only that thread submits to them."""
-    return [_registered(f"{device}/helper-{i}") for i in range(1, count + 1)]
+    key = device_key(device)
+    return [_registered(f"{key}/helper-{i}") for i in range(1, count + 1)]
+
+
+def device_key(device: torch.device | str) -> str:
+    """``device`` named with its index: a bare ``cuda`` means the current CUDA device."""
+    resolved = torch.device(device)
+    if resolved.type == "cpu" or resolved.index is not None:
+        return str(resolved)
+    cuda = resolved.type == "cuda" and torch.cuda.is_available()
+    index = torch.cuda.current_device() if cuda else 0
+    return f"{resolved.type}:{index}"
 
 
 def _registered(key: str) -> DeviceThread:
