@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import os
 import subprocess
@@ -18,8 +20,6 @@ from histoinfer import InProcessClient, ServerModel
 from histoinfer.models import shards
 from histoinfer.models.device_thread import device_thread, helper_threads
 from histoinfer.models.openmp import per_thread_counts_supported
-
-CPU = torch.device("cpu")
 
 needs_per_thread_counts = pytest.mark.skipif(
     not per_thread_counts_supported(),
@@ -47,13 +47,35 @@ def tiles(n: int, size: int = 224, seed: int = 0) -> torch.Tensor:
         (64, shards.MAX_WORKERS + 1, (1, 64)),  # not measured on bigger boxes
     ],
 )
-def test_plan(tiles_: int, threads: int, expected: tuple[int, int]) -> None:
-    assert shards.plan(CPU, tiles_, threads) == expected
+def test_plan(
+    tiny_model: ServerModel, tiles_: int, threads: int, expected: tuple[int, int]
+) -> None:
+    assert shards.plan(tiny_model, tiles_, threads) == expected
 
 
-def test_accelerators_are_never_sharded() -> None:
-    assert shards.plan(torch.device("cuda"), 64, 2) == (1, 64)
-    assert not shards.available(torch.device("cuda"), 2)
+def test_accelerators_are_never_sharded(tiny_model: ServerModel) -> None:
+    on_gpu = copy.copy(tiny_model)
+    on_gpu.device = torch.device("cuda")
+    assert shards.plan(on_gpu, 64, 2) == (1, 64)
+    assert not shards.available(on_gpu, 2)
+
+
+def test_models_that_opt_out_or_are_aoti_packages_are_never_sharded(
+    tiny_model: ServerModel,
+) -> None:
+    class NotThreadSafe(ServerModel):
+        shard_cpu_passes = False
+
+    opted_out = NotThreadSafe(tiny_model.checkpoint, tiny_model.assets)
+    aoti = copy.copy(tiny_model)
+    aoti.checkpoint = dataclasses.replace(tiny_model.checkpoint, kind="aoti")
+    for model in (opted_out, aoti):
+        assert not model.shardable
+        assert shards.plan(model, 64, 2) == (1, 64)
+        watched, watch = hooked_model(model)
+        device_thread("cpu").call(shards.forward, watched, tiles(32), "predict", 2)
+        assert watch.sizes == [32]  # one call, the whole batch
+    assert tiny_model.shardable
 
 
 @needs_per_thread_counts
@@ -185,7 +207,7 @@ def test_default_decode_threads_use_every_core_where_passes_are_sharded(
 ) -> None:
     with InProcessClient(tiny_model) as client:
         threads = torch.get_num_threads()
-        if shards.available(CPU, threads):
+        if shards.available(tiny_model, threads):
             assert client.prepare_threads == (os.cpu_count() or 2)
         else:
             assert client.prepare_threads == max(1, (os.cpu_count() or 2) - threads)

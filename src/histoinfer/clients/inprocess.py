@@ -90,7 +90,7 @@ def _forward(
     lifetime, and must not keep the client alive.
     """
     all_threads = threads = torch.get_num_threads()
-    sharded = shards.plan(model.device, len(tiles), all_threads)[0] > 1
+    sharded = shards.plan(model, len(tiles), all_threads)[0] > 1
     if sharded or share is None or loaded is None or model.device.type != "cpu" or not loaded():
         share = None  # sharded, idle, or not a CPU: every thread, and nothing to learn from
     if share is not None:
@@ -291,7 +291,7 @@ class InProcessClient(ClosingContext):
         self.max_wait_ms = float(max_wait_ms)
         self.dynamic_batching = dynamic_batching
         self.max_queue = max_queue
-        self.prepare_threads = prepare_threads or _default_prepare_threads(server_model.device)
+        self.prepare_threads = prepare_threads or _default_prepare_threads(server_model)
         self.request_timeout = request_timeout
         self.batch_decode_threads = batch_decode_threads
         self._batch_decoder: ThreadPoolExecutor | None = None
@@ -633,7 +633,7 @@ async def _in_host_loop(fn: Callable[[str], Coroutine[Any, Any, T]], body: str) 
     return await fn(body)
 
 
-def _default_prepare_threads(device: torch.device) -> int:
+def _default_prepare_threads(model: ServerModel) -> int:
     """Decode threads per loop: on a CPU device, the cores torch's forward pass leaves free,
     or every core where big passes are sharded.
 
@@ -645,9 +645,9 @@ def _default_prepare_threads(device: torch.device) -> int:
     "Session 5"). On an accelerator the CPU is free for decoding.
     """
     cores = os.cpu_count() or 2
-    if device.type == "cpu":
+    if model.device.type == "cpu":
         threads = torch.get_num_threads()
-        return cores if shards.available(device, threads) else max(1, cores - threads)
+        return cores if shards.available(model, threads) else max(1, cores - threads)
     return max(2, cores)
 
 

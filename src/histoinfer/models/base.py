@@ -96,6 +96,10 @@ class ServerModel:
 
     #: Modes this model serves; others raise :class:`UnsupportedModeError`.
     modes: ClassVar[tuple[Mode, ...]] = MODES
+    #: Whether a big CPU batch may run as parts on several threads at once (models/shards.py);
+    #: ``forward_batch`` must then be safe to call from several threads at once, as the
+    #: built-in one is. Set it to False in a subclass whose ``forward_batch`` is not.
+    shard_cpu_passes: ClassVar[bool] = True
     #: Limits on one tile's encoded size and decoded pixel count.
     max_image_bytes: ClassVar[int] = 32 * 1024 * 1024
     max_image_pixels: ClassVar[int] = 4096 * 4096
@@ -129,6 +133,13 @@ class ServerModel:
         sniff_kind(checkpoint_path)
         assets = load_assets(assets_dir if assets_dir is not None else checkpoint_path.parent)
         return cls(load_checkpoint(checkpoint_path, device), assets, device)
+
+    @property
+    def shardable(self) -> bool:
+        """Whether big CPU batches of this model may be sharded (models/shards.py). Never for
+        an AOTInductor package: its runner takes one call at a time, so parts would wait for
+        each other on one thread each (measured: 1.4x slower than one pass on every thread)."""
+        return self.shard_cpu_passes and self.checkpoint.kind == "torch.export"
 
     # -- the four steps -------------------------------------------------------------------
 

@@ -44,19 +44,20 @@ _PARTS_PER_WORKER = 2
 Tiles = torch.Tensor | Sequence[torch.Tensor]
 
 
-def available(device: torch.device, threads: int) -> bool:
-    """Whether big enough passes on ``device`` with ``threads`` torch threads are sharded."""
+def available(model: ServerModel, threads: int) -> bool:
+    """Whether big enough passes of ``model`` with ``threads`` torch threads are sharded."""
     return (
-        device.type == "cpu"
+        model.device.type == "cpu"
+        and model.shardable
         and 2 <= threads <= MAX_WORKERS
         and per_thread_counts_supported()  # else each part would run on every core
     )
 
 
-def plan(device: torch.device, tiles: int, threads: int) -> tuple[int, int]:
-    """``(workers, part_size)`` for a pass of ``tiles`` on ``device`` with ``threads`` torch
+def plan(model: ServerModel, tiles: int, threads: int) -> tuple[int, int]:
+    """``(workers, part_size)`` for a pass of ``tiles`` of ``model`` with ``threads`` torch
     threads; ``workers == 1``: not sharded (torch's threads run the whole batch)."""
-    if tiles < 2 * MIN_PART_TILES or not available(device, threads):
+    if tiles < 2 * MIN_PART_TILES or not available(model, threads):
         return 1, tiles
     workers = min(threads, tiles // MIN_PART_TILES)
     parts = workers * _PARTS_PER_WORKER
@@ -74,7 +75,7 @@ def forward(
     stacked part by part, on the workers."""
     if threads is None:
         threads = torch.get_num_threads()
-    workers, size = plan(model.device, len(tiles), threads)
+    workers, size = plan(model, len(tiles), threads)
     if workers == 1:
         return model.forward_batch(_stacked(tiles, slice(None)), mode)
     parts = [slice(start, start + size) for start in range(0, len(tiles), size)]
