@@ -9,14 +9,15 @@ run whole on single-threaded workers, each pulling the next part when it is done
 barrier and no spinning: the parts' threads and the decoders share the cores through the OS
 scheduler, and nothing spins while another thread waits for a core. Measured on 2 cores
 (docs/benchmarks.md, "Session 5"): a batch of 64 alone 0.92-0.98 ms a tile against 1.02-1.12
-with OpenMP, and dynamic batching of the tiny model 1.27x the explicit loop instead of 1.13-1.15x.
+with OpenMP; dynamic batching of the tiny model +9-15%, 1.20-1.22x the (also sharded) explicit
+loop where it was 1.11-1.15x; the small model (ViT-S) +14-18% on every path.
 
 It is still one forward pass (SPEC §5: one at a time per device): the device's thread runs it,
 works on its parts itself, and returns only once every helper is done with the others. Small
 batches (fewer than ``2 * MIN_PART_TILES`` tiles: a lone request, a light load) keep torch's
 threads, which is what makes a lone request fast. Boxes with more than ``MAX_WORKERS`` torch
-threads keep torch's threads too: many single-threaded parts would serialize on the GIL the
-program's Python between ops, and it has not been measured there.
+threads keep torch's threads too: many single-threaded parts would queue for the GIL, which
+the program's Python holds between ops, and it has not been measured there.
 """
 
 from __future__ import annotations
