@@ -39,10 +39,11 @@ def tiles(n: int, size: int = 224, seed: int = 0) -> torch.Tensor:
         (51, 2, (2, 13)),  # two workers, two parts each
         (64, 2, (2, 16)),
         (16, 2, (2, 8)),  # the smallest sharded pass: two parts of MIN_PART_TILES
+        (17, 2, (2, 9)),  # 9 + 8, not 8 + 8 + 1
         (15, 2, (1, 15)),  # too small: torch's threads run it
         (1, 2, (1, 1)),  # a lone request: every core, at once
         (64, 4, (4, 8)),
-        (20, 4, (2, 8)),  # no more workers than parts of MIN_PART_TILES
+        (20, 4, (2, 10)),  # no more workers than parts of MIN_PART_TILES
         (64, 1, (1, 64)),  # one torch thread: nothing to share
         (64, shards.MAX_WORKERS + 1, (1, 64)),  # not measured on bigger boxes
     ],

@@ -61,9 +61,9 @@ def plan(model: ServerModel, tiles: int, threads: int) -> tuple[int, int]:
     if tiles < 2 * MIN_PART_TILES or not available(model, threads):
         return 1, tiles
     workers = min(threads, tiles // MIN_PART_TILES)
-    parts = workers * _PARTS_PER_WORKER
-    size = max(MIN_PART_TILES, -(-tiles // parts))
-    return workers, size
+    # Parts of equal size (17 tiles: 9 + 8, not 8 + 8 + 1), each of MIN_PART_TILES or more.
+    parts = min(workers * _PARTS_PER_WORKER, tiles // MIN_PART_TILES)
+    return workers, -(-tiles // parts)
 
 
 def forward(
