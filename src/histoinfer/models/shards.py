@@ -61,7 +61,7 @@ def plan(model: ServerModel, tiles: int, threads: int) -> tuple[int, int]:
     if tiles < 2 * MIN_PART_TILES or not available(model, threads):
         return 1, tiles
     workers = min(threads, tiles // MIN_PART_TILES)
-    # Parts of equal size (17 tiles: 9 + 8, not 8 + 8 + 1), each of MIN_PART_TILES or more.
+    # Parts of about equal size (17 tiles: 9 + 8, not 8 + 8 + 1); only the last may be smaller.
     parts = min(workers * _PARTS_PER_WORKER, tiles // MIN_PART_TILES)
     return workers, -(-tiles // parts)
 
