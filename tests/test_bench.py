@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from histoinfer.bench.bodies import make_bodies
 from histoinfer.bench.cli import main as bench_main
@@ -23,6 +24,7 @@ from histoinfer.bench.measure import check_responses
 from histoinfer.bench.profile import classify_stack
 from histoinfer.bench.report import write_outputs
 from histoinfer.bench.runner import BenchConfig, PathSpec, open_path, run_bench
+from histoinfer.models import shards
 
 PATHS = (
     "raw",
@@ -200,6 +202,10 @@ def test_cli_runs_and_reports(workdir: Path, tmp_path: Path, capsys: pytest.Capt
     assert data["config"]["quick"] is True
     assert "--paths=raw,dynamic-asyncio" in data["command"]
     assert {r["path"] for r in data["throughput"]["rows"]} == {"raw", "dynamic-asyncio"}
+    # Whether CPU passes were sharded changes every figure: the report says which it was.
+    expected = shards.describe(torch.get_num_threads())
+    assert data["environment"]["cpu_passes"] == expected
+    assert f"CPU forward passes: {expected}." in (out / "report.md").read_text()
 
 
 def test_script_entry_point_rejects_unknown_suite(workdir: Path) -> None:

@@ -248,3 +248,10 @@ def test_parts_run_on_no_openmp_team_of_their_own(tiny_checkpoint: Path) -> None
     )
     new, helper = result.stdout.strip().rsplit(" ", 1)
     assert new == f"[{helper}]", result.stdout
+
+
+def test_describe_says_how_passes_run_here() -> None:
+    if per_thread_counts_supported():
+        assert shards.describe(2).startswith("batches of 16+ tiles sharded across 2")
+        assert "not sharded: 8 threads" in shards.describe(shards.MAX_WORKERS * 2)
+    assert shards.describe(1) == "on torch's threads (not sharded: 1 thread)"

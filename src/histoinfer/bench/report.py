@@ -108,7 +108,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"Python {env['python']}, CUDA: {env['cuda']}, commit {env['commit']}, "
         f"load average {_load(env['load_average'])} → {_load(env.get('load_average_end'))}. "
         f"max_batch_size {cfg['max_batch_size']}, max_wait_ms {cfg['max_wait_ms']}; "
-        f"medians over {cfg['rounds']} interleaved rounds.",
+        f"medians over {cfg['rounds']} interleaved rounds."
+        + (f" CPU forward passes: {env['cpu_passes']}." if env.get("cpu_passes") else ""),
         "",
     ]
     checks: list[dict[str, Any]] = []

@@ -33,7 +33,7 @@ from .base import BatchOutput, ServerModel
 from .device_thread import helper_threads
 from .openmp import per_thread_counts_supported, thread_count
 
-__all__ = ["MAX_WORKERS", "MIN_PART_TILES", "available", "forward", "plan"]
+__all__ = ["MAX_WORKERS", "MIN_PART_TILES", "available", "describe", "forward", "plan"]
 
 #: Fewest tiles in one part: a part of 8 of the tiny model runs at ~the per-tile cost of 32.
 MIN_PART_TILES = 8
@@ -47,12 +47,26 @@ Tiles = torch.Tensor | Sequence[torch.Tensor]
 
 def available(model: ServerModel, threads: int) -> bool:
     """Whether big enough passes of ``model`` with ``threads`` torch threads are sharded."""
-    return (
-        model.device.type == "cpu"
-        and model.shardable
-        and 2 <= threads <= MAX_WORKERS
-        and per_thread_counts_supported()  # else each part would run on every core
-    )
+    return model.device.type == "cpu" and model.shardable and _machine_allows(threads)
+
+
+def describe(threads: int) -> str:
+    """How CPU forward passes of a ``torch.export`` model run here, for reports."""
+    if _machine_allows(threads):
+        return (
+            f"batches of {2 * MIN_PART_TILES}+ tiles sharded across {threads} "
+            "single-threaded workers, smaller ones on torch's threads"
+        )
+    if 2 <= threads <= MAX_WORKERS:
+        why = "OpenMP runtime not libgomp"
+    else:
+        why = f"{threads} thread{'' if threads == 1 else 's'}"
+    return f"on torch's threads (not sharded: {why})"
+
+
+def _machine_allows(threads: int) -> bool:
+    # libgomp's per-thread counts, else each part would run on every core.
+    return 2 <= threads <= MAX_WORKERS and per_thread_counts_supported()
 
 
 def plan(model: ServerModel, tiles: int, threads: int) -> tuple[int, int]:
