@@ -10,7 +10,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -21,10 +23,17 @@ from histoinfer.models import shards
 from histoinfer.models.device_thread import device_thread, helper_threads
 from histoinfer.models.openmp import per_thread_counts_supported
 
+T = TypeVar("T")
+
 needs_per_thread_counts = pytest.mark.skipif(
     not per_thread_counts_supported(),
     reason="torch's OpenMP runtime here is not libgomp: passes are never sharded",
 )
+
+
+def on_device(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on the device's thread; a hang fails the test within a minute."""
+    return device_thread("cpu").submit(fn, *args).result(timeout=60)
 
 
 def tiles(n: int, size: int = 224, seed: int = 0) -> torch.Tensor:
@@ -74,7 +83,7 @@ def test_models_that_opt_out_or_are_aoti_packages_are_never_sharded(
         assert not model.shardable
         assert shards.plan(model, 64, 2) == (1, 64)
         watched, watch = hooked_model(model)
-        device_thread("cpu").call(shards.forward, watched, tiles(32), "predict", 2)
+        on_device(shards.forward, watched, tiles(32), "predict", 2)
         assert watch.sizes == [32]  # one call, the whole batch
     assert tiny_model.shardable
 
@@ -94,7 +103,7 @@ def test_a_sharded_pass_gives_every_tile_its_own_output_in_order(
     )
     worker = device_thread("cpu")
     given = list(batch) if as_list else batch
-    out = worker.call(shards.forward, model, given, "predict_with_embedding", 2)
+    out = on_device(shards.forward, model, given, "predict_with_embedding", 2)
     # Each tile alone: the same model, one tile per pass, no sharding.
     alone = [tiny_model.forward_batch(batch[i : i + 1], "predict_with_embedding") for i in (0, 36)]
     assert out.predictions is not None and out.embedding is not None
@@ -110,7 +119,7 @@ def test_a_sharded_pass_gives_every_tile_its_own_output_in_order(
     assert {threads for _, _, threads in calls} == {1}  # each part single-threaded
     helper = helper_threads("cpu", 1)[0]
     assert {ident for _, ident, _ in calls} <= {worker.ident, helper.ident}
-    assert worker.call(torch.get_num_threads) == torch.get_num_threads()  # restored
+    assert on_device(torch.get_num_threads) == torch.get_num_threads()  # restored
 
 
 @needs_per_thread_counts
@@ -147,7 +156,7 @@ def test_a_failing_part_fails_the_pass_only_after_every_worker_stopped(
             most_after_failure.append(running)
 
     with pytest.raises(RuntimeError, match="bad part"):
-        device_thread("cpu").call(run)
+        on_device(run)
     assert failed.is_set()
     assert most_after_failure == [0]  # nothing of the pass still runs once it has raised
     assert watch.calls < 4  # the fourth part was never started
@@ -183,7 +192,7 @@ def test_a_sharded_pass_returns_only_once_every_part_is_done(tiny_model: ServerM
         at_return.append(running)
 
     for _ in range(3):
-        device_thread("cpu").call(run)
+        on_device(run)
     assert at_return == [0, 0, 0]
     assert most <= 2 and watch.calls == 12  # two workers, four parts a pass
 
