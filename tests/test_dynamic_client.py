@@ -351,8 +351,8 @@ async def test_sync_close_during_async_calls(tiny_model: ServerModel, where: str
 def test_loops_that_used_fewer_decoders_than_allowed_leave_nothing_unclosed(
     tiny_model: Any,
 ) -> None:
-    """Decode schedulers are made when needed: one made but never used in a loop kept its
-    streams open past the loop's end (a ResourceWarning when collected)."""
+    """A decode scheduler never used in a loop kept its streams open past the loop's end (a
+    ResourceWarning when collected); schedulers now make their streams when they start."""
 
     async def lone() -> None:
         with anyio.fail_after(60):

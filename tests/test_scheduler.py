@@ -6,9 +6,11 @@ so each test arranges the exact next batch by counting, never by timing.
 
 from __future__ import annotations
 
+import gc
 import logging
 import random
 import threading
+import warnings
 from functools import partial
 from typing import Any
 
@@ -525,6 +527,17 @@ async def test_close_soon_from_another_thread_ends_the_runner() -> None:
         await wait_until(lambda: exits == [1])  # queued work done, then the runner ended
     assert results == {1: 10, 2: 20}
     BatchScheduler(fn).close_soon()  # never started: nothing to wait for
+
+
+def test_a_scheduler_never_used_leaves_nothing_unclosed() -> None:
+    """Made and dropped (closed or not) without a loop ever using it: no streams were made,
+    so none is left unclosed (a ResourceWarning when collected)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        BatchScheduler(HeldBatchFn(held=False))
+        BatchScheduler(HeldBatchFn(held=False)).close_soon()
+        gc.collect()
+    assert not [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
 
 
 async def test_aclose_of_an_unused_scheduler() -> None:

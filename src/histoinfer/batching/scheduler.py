@@ -171,9 +171,10 @@ class BatchScheduler(Generic[T, R]):
             anyio.Semaphore(max_queue, fast_acquire=True) if max_queue is not None else None
         )
         self._on_exit = on_exit
+        # Made when the runner starts: a scheduler never used would hold streams nobody closes
+        # (a ResourceWarning when it is collected).
         self._send: MemoryObjectSendStream[_Pending[T, R]]
         self._receive: MemoryObjectReceiveStream[_Pending[T, R]]
-        self._send, self._receive = anyio.create_memory_object_stream[_Pending[T, R]](math.inf)
         self._incoming = 0  # admitted by reserve(), not yet submitted
         self._queued = 0  # submitted, not yet dispatched nor abandoned
         self._closing = False
@@ -228,10 +229,10 @@ class BatchScheduler(Generic[T, R]):
     async def aclose(self) -> None:
         """Refuse new items, finish every queued one, then stop the runner."""
         self._closing = True
+        if self._finished is None:  # never started: no runner, no streams
+            return
         self._send.close()
-        if self._finished is None:
-            self._receive.close()
-        elif not self._finished.is_set():
+        if not self._finished.is_set():
             if self._loop is not current_loop_key():
                 raise RuntimeError(f"{self.name}: aclose() must run in the scheduler's own loop")
             await self._finished.wait()
@@ -242,10 +243,7 @@ class BatchScheduler(Generic[T, R]):
         """
         self._closing = True
         loop = self._loop
-        if loop is None:  # never started: nobody waits on the streams
-            self._send.close()
-            self._receive.close()
-        else:
+        if loop is not None:
             # The stream belongs to the runner's loop: close it there. False: that loop ended,
             # and the runner with it.
             call_soon_in_loop(loop, self._send.close)
@@ -358,7 +356,9 @@ class BatchScheduler(Generic[T, R]):
                 f"{self.name}: this BatchScheduler belongs to another event loop; "
                 "use one scheduler per loop (histoinfer.batching.PerLoop)"
             )
-        # Registered before the task exists: an eager task factory runs it at once.
+        # The streams before the loop is registered: close_soon (any thread) reads _loop, then
+        # closes _send. Registered before the task exists: an eager task factory runs it at once.
+        self._send, self._receive = anyio.create_memory_object_stream[_Pending[T, R]](math.inf)
         self._loop = token
         self._finished = anyio.Event()
         if sniffio.current_async_library() == "trio":

@@ -161,13 +161,17 @@ class _LoopState:
         # The decode stage: one small scheduler per decode thread, each decoding the bodies
         # that queued up while its previous chunk ran, in one hop. Admission is the forward
         # schedulers' (a caller holds a reservation there while decoding): unbounded here.
-        # Dynamic mode only: batch-size-1 calls decode in one to_thread hop each. Made when
-        # first needed: one never used would end with the loop unclosed.
-        self.decoders: list[BatchScheduler[tuple[str | bytes, Mode], Decoded]] = []
-        self._most_decoders = owner.prepare_threads if owner.dynamic_batching else 0
-        self._decode_chunk = partial(_decode_chunk, owner.server_model, owner._cores)
-        self._model_name = owner._model_name
-        self._closing = False
+        # Dynamic mode only: batch-size-1 calls decode in one to_thread hop each.
+        self.decoders: list[BatchScheduler[tuple[str | bytes, Mode], Decoded]] = [
+            BatchScheduler(
+                partial(_decode_chunk, owner.server_model, owner._cores),
+                max_batch_size=DECODE_CHUNK,
+                max_wait_ms=0,
+                max_queue=None,
+                name=f"{owner._model_name}:decode-{i}",
+            )
+            for i in range(owner.prepare_threads if owner.dynamic_batching else 0)
+        ]
         self._client = client
         self._key = key
 
@@ -178,23 +182,8 @@ class _LoopState:
         return any(scheduler.queue_depth or scheduler.preparing for scheduler in schedulers)
 
     def decoder(self) -> BatchScheduler[tuple[str | bytes, Mode], Decoded]:
-        """The decode scheduler with the shortest queue; a new one while each has a queue."""
-        shortest = min(self.decoders, key=lambda decoder: decoder.queue_depth, default=None)
-        if shortest is not None and (
-            shortest.queue_depth == 0 or len(self.decoders) >= self._most_decoders
-        ):
-            return shortest
-        decoder = BatchScheduler(
-            self._decode_chunk,
-            max_batch_size=DECODE_CHUNK,
-            max_wait_ms=0,
-            max_queue=None,
-            name=f"{self._model_name}:decode-{len(self.decoders)}",
-        )
-        self.decoders.append(decoder)
-        if self._closing:
-            decoder.close_soon()  # refuses the body, as the decoders closed with the state do
-        return decoder
+        """The decode scheduler with the shortest queue."""
+        return min(self.decoders, key=lambda decoder: decoder.queue_depth)
 
     def scheduler(self, mode: Mode) -> BatchScheduler[torch.Tensor, SampleOutput]:
         scheduler = self.schedulers.get(mode)
@@ -223,7 +212,6 @@ class _LoopState:
 
     def close_soon(self) -> None:
         """Let each scheduler finish its queue and end, in this state's loop; any thread."""
-        self._closing = True
         for scheduler in self.schedulers.values():
             scheduler.close_soon()
         for decoder in self.decoders:
