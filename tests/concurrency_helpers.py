@@ -159,7 +159,8 @@ async def call(client: InProcessClient, i: int, text: str | None = None) -> str:
 
 
 class ForwardWatch:
-    """Counts forward passes and the most that ever ran at once (the device lock's promise)."""
+    """Counts `forward_batch` calls and the most that ever ran at once: one pass at a time per
+    device (SPEC §5) for batches too small to shard (a sharded pass calls it once per part)."""
 
     def __init__(self) -> None:
         self.calls = 0
