@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import re
 import sys
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from histoinfer.errors import InvalidRequestError
+from histoinfer.models import png
 from histoinfer.models.imaging import decode_tile
 
 WHERE = "for patch_idx=4 (slide 's', x=0, y=0)"
@@ -214,39 +216,62 @@ def test_corrupted_images_decode_or_raise_invalid_request(data: st.DataObject) -
     assert tile.dtype == torch.uint8 and tuple(tile.shape) == (3, 16, 16)
 
 
-@pytest.mark.parametrize("mode", ["RGB", "RGBA", "L", "LA", "P"])
-@pytest.mark.parametrize("size", [224, 112])
-def test_fast_png_path_is_pixel_identical_to_pillow(monkeypatch, mode, size):
-    """libspng (the `fast` extra) must give exactly Pillow's pixels, resized or not."""
-    import base64
-    import io
+FAST_DECODERS = png.available_decoders()
+if not FAST_DECODERS:  # pragma: no cover - the `fast` and `wuffs` extras are missing
+    FAST_DECODERS = [pytest.param(None, marks=pytest.mark.skip("no fast PNG decoder installed"))]
 
-    import numpy as np
-    import torch
-    from PIL import Image
 
-    from histoinfer.models import imaging
-
-    if imaging._spng_decode is None:
-        pytest.skip("imagecodecs (the `fast` extra) is not installed")
-    calls: list[int] = []
-    real_decode = imaging._spng_decode
-
-    def counting_decode(raw: bytes):
-        calls.append(len(raw))
-        return real_decode(raw)
-
-    monkeypatch.setattr(imaging, "_spng_decode", counting_decode)
-    rng = np.random.default_rng(size)
+def png_of(mode: str, size: int, seed: int, transparency: bool = False) -> bytes:
+    rng = np.random.default_rng(seed)
     channels = {"RGB": 3, "RGBA": 4, "L": 1, "LA": 2, "P": 1}[mode]
-    pixels = rng.integers(0, 256, (size, size, channels), dtype=np.uint8)
-    image = Image.fromarray(pixels.squeeze(-1) if channels == 1 else pixels)
+    array = rng.integers(0, 256, (size, size, channels), dtype=np.uint8)
+    image = Image.fromarray(array.squeeze(-1) if channels == 1 else array)
     if mode == "P":
         image = image.convert("P")
+    options: dict[str, Any] = {}
+    if transparency:  # a tRNS chunk: one colour (or palette entry) is transparent
+        first = np.asarray(image)[0, 0]
+        options["transparency"] = int(first) if first.ndim == 0 else tuple(int(v) for v in first)
     buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    encoded = base64.b64encode(buf.getvalue()).decode()
-    kwargs = dict(
+    image.save(buf, format="PNG", **options)
+    return buf.getvalue()
+
+
+def only_decoder(monkeypatch: pytest.MonkeyPatch, decoder: png.FastDecoder | None) -> list[int]:
+    """Make ``decoder`` the only fast one (None: Pillow only); returns its call log."""
+    calls: list[int] = []
+    if decoder is None:
+        monkeypatch.setattr(png, "DECODERS", [])
+        return calls
+
+    def counting(raw: bytes) -> np.ndarray:
+        calls.append(len(raw))
+        return decoder.decode(raw)
+
+    monkeypatch.setattr(png, "DECODERS", [dataclasses.replace(decoder, decode=counting)])
+    return calls
+
+
+@pytest.mark.parametrize("decoder", FAST_DECODERS, ids=lambda d: getattr(d, "name", "none"))
+@pytest.mark.parametrize(
+    ("mode", "transparency"),
+    [
+        *[(mode, False) for mode in ("RGB", "RGBA", "L", "LA", "P")],
+        *[(mode, True) for mode in ("RGB", "L", "P")],
+    ],
+)
+@pytest.mark.parametrize("size", [224, 112])
+def test_fast_png_decoders_are_pixel_identical_to_pillow(
+    monkeypatch: pytest.MonkeyPatch,
+    decoder: png.FastDecoder,
+    mode: str,
+    transparency: bool,
+    size: int,
+) -> None:
+    """Every fast decoder gives exactly Pillow's pixels, resized or not, for what it takes;
+    what it does not take falls back to Pillow instead of failing."""
+    encoded = base64.b64encode(png_of(mode, size, size, transparency)).decode()
+    kwargs: dict[str, Any] = dict(
         width=size,
         height=size,
         tile_size=224,
@@ -255,10 +280,38 @@ def test_fast_png_path_is_pixel_identical_to_pillow(monkeypatch, mode, size):
         max_image_pixels=1 << 24,
         where="for test",
     )
-    fast = imaging.decode_tile(encoded, **kwargs)
-    # 8-bit gray, RGB and RGBA take the fast path; the others must fall back, not fail.
-    assert bool(calls) == (mode in ("RGB", "RGBA", "L"))
-    monkeypatch.setattr(imaging, "_spng_decode", None)
-    slow = imaging.decode_tile(encoded, **kwargs)
+    calls = only_decoder(monkeypatch, decoder)
+    fast = decode_tile(encoded, **kwargs)
+    header = png.read_header(base64.b64decode(encoded))
+    assert header is not None and header.transparency == transparency
+    assert bool(calls) == decoder.takes(header)
+    only_decoder(monkeypatch, None)
+    slow = decode_tile(encoded, **kwargs)
     assert fast.shape == slow.shape == (3, 224, 224)
     assert torch.equal(fast, slow)
+
+
+def test_the_fast_decoders_take_the_common_tile() -> None:
+    """An opaque 8-bit RGB PNG (what tiles are) takes the fastest installed decoder."""
+    header = png.read_header(png_of("RGB", 32, 0))
+    assert header is not None
+    assert png.DECODERS and png.choose(header) is png.DECODERS[0]
+
+
+@pytest.mark.parametrize("decoder", FAST_DECODERS, ids=lambda d: getattr(d, "name", "none"))
+def test_fast_decoders_refuse_corrupt_pixel_data(
+    monkeypatch: pytest.MonkeyPatch, decoder: png.FastDecoder
+) -> None:
+    """A flipped byte in the compressed pixels fails a checksum: the tile is refused, never
+    decoded to wrong pixels (pywuffs skips the checks unless told)."""
+    raw = png_of("RGB", 32, 3)
+    calls = only_decoder(monkeypatch, decoder)
+    refused = 0
+    for position in range(50, len(raw) - 20, 97):  # inside IDAT, past the zlib header
+        corrupt = bytearray(raw)
+        corrupt[position] ^= 0x5A
+        with pytest.raises(InvalidRequestError, match="image_data") as info:
+            decode(bytes(corrupt))
+        assert WHERE in str(info.value)
+        refused += 1
+    assert refused >= 10 and len(calls) == refused  # each went to the fast decoder first

@@ -31,6 +31,7 @@ import time
 import types
 from collections import Counter
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,12 @@ def _per_call(fn: Callable[[int], object], calls: int, repeats: int = 3) -> tupl
     return statistics.median(walls), statistics.median(cpus)
 
 
+#: fast PNG decoder (models/png.py) -> its step
+_FAST_PNG_STEPS = {
+    "libspng (imagecodecs)": "PNG decode (libspng via imagecodecs, `fast`)",
+    "Wuffs (pywuffs)": "PNG decode (Wuffs via pywuffs, `wuffs`)",
+}
+
 #: step name -> (function name py-spy sees, tiles per call)
 STEP_NAMES: dict[str, tuple[str, int]] = {
     "JSON parse + validate (pydantic)": ("step_json_parse", 1),
@@ -68,7 +75,8 @@ STEP_NAMES: dict[str, tuple[str, int]] = {
     "base64 decode (pybase64, `fast`)": ("step_base64_fast", 1),
     "PNG open (header, chunks)": ("step_png_open", 1),
     "PNG decode (Pillow: open + load)": ("step_png_decode", 1),
-    "PNG decode (libspng via imagecodecs, `fast`)": ("step_png_fast", 1),
+    "PNG decode (libspng via imagecodecs, `fast`)": ("step_png_spng", 1),
+    "PNG decode (Wuffs via pywuffs, `wuffs`)": ("step_png_wuffs", 1),
     "resize 256->224 (not on the 224 path)": ("step_resize", 1),
     "tensor build (tobytes + frombuffer)": ("step_tensor", 1),
     "prepare_sample total (base64..tensor)": ("step_prepare", 1),
@@ -82,7 +90,7 @@ STEP_NAMES: dict[str, tuple[str, int]] = {
 
 def step_functions(model: Any, bodies: list[str]) -> dict[str, Callable[[int], object]]:
     """Each step of a request as ``fn(i)`` over ready inputs, keyed like :data:`STEP_NAMES`."""
-    from ..models import imaging
+    from ..models import imaging, png
     from ..schema import parse_request
 
     n = len(bodies)
@@ -140,9 +148,9 @@ def step_functions(model: Any, bodies: list[str]) -> dict[str, Callable[[int], o
             ).model_dump_json()
         ),
     }
-    spng_decode = imaging._spng_decode
-    if spng_decode is not None:
-        steps["PNG decode (libspng via imagecodecs, `fast`)"] = lambda i: spng_decode(raws[i % n])
+    for decoder in png.available_decoders():
+        name = _FAST_PNG_STEPS[decoder.name]
+        steps[name] = partial(lambda decode, i: decode(raws[i % n]), decoder.decode)
     # Without the `fast` extra, pybase64 is absent too and the step above times binascii again.
     return {name: steps[name] for name in STEP_NAMES if name in steps}
 
@@ -218,7 +226,7 @@ _LINE_PATTERNS: dict[str, tuple[tuple[str, str], ...]] = {
     "models/imaging.py": (
         ("a2b_base64", "base64 decode"),
         ("b64decode(", "base64 decode"),
-        ("_spng_decode(", "PNG decode"),
+        ("fast.decode(", "PNG decode"),
         ("frombuffer", "tensor build"),
         ("ascontiguousarray(", "tensor build"),
         ("Image.open", "PNG decode"),

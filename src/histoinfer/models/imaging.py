@@ -8,17 +8,15 @@ keeps this step's output four times smaller.
 from __future__ import annotations
 
 import binascii
-import importlib
 import io
-import struct
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
 from ..errors import InvalidRequestError
+from . import png
 
 __all__ = ["ACCEPTED_FORMATS", "decode_tile"]
 
@@ -53,10 +51,8 @@ def _unaccepted_format(raw: bytes) -> str:
     return next((name for magic, name in _OTHER_FORMATS if raw.startswith(magic)), "")
 
 
-# Optional fast paths (the `fast` extra). binascii holds the GIL for ~250 µs on a 100 KB tile,
-# and Pillow's PNG decoder is ~1.8x slower than libspng. libspng comes from imagecodecs, whose
-# decoders release the GIL: pyspng (tried first) holds it for the whole ~0.9 ms decode, which
-# stalled the forward thread between every op and made dynamic batching slower than a loop.
+# Optional fast paths: SIMD base64 (the `fast` extra; binascii holds the GIL for ~250 µs on a
+# 100 KB tile), and the PNG decoders of models/png.py (Wuffs, libspng), which release the GIL.
 _b64decode: Callable[[str], bytes]
 try:
     import pybase64
@@ -68,37 +64,6 @@ except ImportError:  # pragma: no cover - exercised where the extra is missing
 
     def _b64decode(data: str) -> bytes:
         return binascii.a2b_base64(data, strict_mode=True)
-
-
-_spng_decode: Callable[[bytes], Any] | None
-try:
-    _spng_decode = importlib.import_module("imagecodecs").spng_decode
-except (ImportError, AttributeError):  # pragma: no cover - the `fast` extra is missing
-    _spng_decode = None
-
-_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-# 8-bit grayscale, RGB and RGBA: libspng's RGB8 output equals Pillow's convert("RGB") for these.
-_FAST_PNG_COLOR_TYPES = frozenset({0, 2, 6})
-
-
-def _fast_png_size(raw: bytes) -> tuple[int, int] | None:
-    """(width, height) when ``raw`` is a PNG the fast decoder handles exactly, else None."""
-    if _spng_decode is None or len(raw) < 33 or raw[:8] != _PNG_SIGNATURE or raw[12:16] != b"IHDR":
-        return None
-    width, height, depth, color_type = struct.unpack(">IIBB", raw[16:26])
-    if depth != 8 or color_type not in _FAST_PNG_COLOR_TYPES:
-        return None
-    return width, height
-
-
-def _rgb(array: Any) -> Any:
-    """libspng's native output (``[H, W]`` gray, ``[H, W, 3]`` RGB or ``[H, W, 4]`` RGBA) as
-    contiguous ``[H, W, 3]``: gray replicated, alpha dropped, as Pillow's ``convert("RGB")``."""
-    if array.ndim == 2:
-        return np.repeat(array[:, :, None], 3, axis=2)
-    if array.shape[2] == 4:
-        return np.ascontiguousarray(array[:, :, :3])
-    return array
 
 
 def _to_tensor(pixels: torch.Tensor, tile_size: int) -> torch.Tensor:
@@ -152,15 +117,16 @@ def decode_tile(
                 f"but the decoded image is {image_width}x{image_height}"
             )
 
-    fast_size = _fast_png_size(raw)
-    if fast_size is not None and _spng_decode is not None:
-        check_size(*fast_size)  # from the header: a decompression bomb costs nothing
+    header = png.read_header(raw)
+    fast = png.choose(header) if header is not None else None
+    if header is not None and fast is not None:
+        check_size(header.width, header.height)  # from the header: a bomb costs nothing
         try:
-            array = _rgb(_spng_decode(raw))
+            array = fast.decode(raw)
         except Exception:
             pass  # corrupt or truncated: Pillow below gives the canonical error message
         else:
-            if fast_size == (tile_size, tile_size):
+            if (header.width, header.height) == (tile_size, tile_size):
                 return _to_tensor(torch.from_numpy(array), tile_size)
             resized = Image.fromarray(array).resize(
                 (tile_size, tile_size), _RESAMPLE[interpolation]
