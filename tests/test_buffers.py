@@ -6,11 +6,14 @@ import dataclasses
 import threading
 from functools import partial
 
+import pytest
 import torch
 from concurrency_helpers import join_threads, start_threads
 
 from histoinfer import ServerModel
+from histoinfer.models.base import BatchOutput
 from histoinfer.models.buffers import InputBuffer
+from histoinfer.schema import Mode
 
 CPU = torch.device("cpu")
 
@@ -105,3 +108,70 @@ def test_outputs_that_are_views_of_the_input_survive_the_next_batch(
     model.forward_batch(tiles(2, 1, size=224), "predict_with_embedding")
     assert torch.equal(first.predictions, kept[0]) and torch.equal(first.embedding, kept[1])
     assert not model._input_buffer.holds(first.predictions)
+
+
+# -- ServerModel.forward_tiles: tiles normalized straight into the leased batch ----------------
+
+
+@pytest.mark.parametrize("n", [1, 3, 16])
+@pytest.mark.parametrize("mode", ["predict", "embed", "predict_with_embedding"])
+def test_forward_tiles_equals_forward_batch_of_the_stack_bit_for_bit(
+    tiny_model: ServerModel, n: int, mode: Mode
+) -> None:
+    batch = tiles(n, seed=n, size=224)
+    rows = list(batch.unbind(0))
+    expected = tiny_model.forward_batch(batch, mode)
+    got = tiny_model.forward_tiles(rows, mode)
+    for ours, theirs in [
+        (got.predictions, expected.predictions),
+        (got.embedding, expected.embedding),
+    ]:
+        assert (ours is None) == (theirs is None)
+        assert ours is None or torch.equal(ours, theirs)
+    assert not tiny_model._input_buffer.holds(got.predictions if mode != "embed" else got.embedding)
+    assert torch.equal(torch.stack(rows), batch)  # the tiles are left alone
+
+
+def test_forward_tiles_leases_the_pool_and_sees_nothing_of_an_older_batch(
+    tiny_model: ServerModel,
+) -> None:
+    model = ServerModel(tiny_model.checkpoint, tiny_model.assets)
+    big, small = tiles(4, 0, size=224), tiles(2, 1, size=224)
+    model.forward_tiles(list(big), "predict")
+    pointers = set(model._input_buffer._pointers)
+    out = model.forward_tiles(list(small), "predict").predictions
+    assert set(model._input_buffer._pointers) == pointers  # reused, not re-allocated
+    assert out is not None and torch.equal(out, model.forward_batch(small, "predict").predictions)
+
+
+def test_forward_tiles_calls_an_overridden_forward_batch_with_the_stack(
+    tiny_model: ServerModel,
+) -> None:
+    seen: list[torch.Tensor] = []
+
+    class Subclass(ServerModel):
+        def forward_batch(self, batch: torch.Tensor, mode: Mode) -> BatchOutput:
+            seen.append(batch)
+            return super().forward_batch(batch, mode)
+
+    batch = tiles(3, 2, size=224)
+    expected = tiny_model.forward_batch(batch, "predict").predictions
+    subclass = Subclass(tiny_model.checkpoint, tiny_model.assets)
+    seen.clear()  # the load-time probe
+    out = subclass.forward_tiles(list(batch), "predict")
+    assert len(seen) == 1 and torch.equal(seen[0], batch)
+    assert out.predictions is not None and torch.equal(out.predictions, expected)
+    # An instance-level wrapper (the GPU check's autocast does this) is honoured too.
+    model = ServerModel(tiny_model.checkpoint, tiny_model.assets)
+    wrapped = model.forward_batch
+    model.forward_batch = lambda b, m: seen.append(b) or wrapped(b, m)  # type: ignore[method-assign]
+    model.forward_tiles(list(batch), "predict")
+    assert len(seen) == 2 and torch.equal(seen[1], batch)
+
+
+def test_forward_tiles_of_different_sizes_is_a_clear_error(tiny_model: ServerModel) -> None:
+    mixed = [tiles(1, 0, size=224)[0], tiles(1, 1, size=112)[0]]
+    with pytest.raises(ValueError, match=r"\(3, 224, 224\) and \(3, 112, 112\)"):
+        tiny_model.forward_tiles(mixed, "predict")
+    out = tiny_model.forward_tiles([mixed[0]], "predict")  # the model still works
+    assert out.predictions is not None and out.predictions.shape[0] == 1

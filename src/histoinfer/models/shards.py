@@ -86,13 +86,13 @@ def forward(
     """One forward pass over ``tiles`` (a stacked ``uint8`` batch or a list of tiles), on the
     device's thread: sharded where :func:`plan` says so, else ``forward_batch`` as it is.
 
-    ``threads``: the torch threads the pass may use (default: this thread's count). A list is
-    stacked part by part, on the workers."""
+    ``threads``: the torch threads the pass may use (default: this thread's count). A list goes
+    to ``ServerModel.forward_tiles`` part by part, on the workers (no stacked copy)."""
     if threads is None:
         threads = torch.get_num_threads()
     workers, size = plan(model, len(tiles), threads)
     if workers == 1:
-        return model.forward_batch(_stacked(tiles, slice(None)), mode)
+        return _forward_part(model, tiles, slice(None), mode)
     parts = [slice(start, start + size) for start in range(0, len(tiles), size)]
     outputs: list[BatchOutput | None] = [None] * len(parts)
     claim = _Claims(len(parts))
@@ -101,7 +101,7 @@ def forward(
         with thread_count(1):
             while (index := claim.next()) is not None:
                 try:
-                    outputs[index] = model.forward_batch(_stacked(tiles, parts[index]), mode)
+                    outputs[index] = _forward_part(model, tiles, parts[index], mode)
                 except BaseException:
                     claim.stop()  # the others take no new part: the pass has failed
                     raise
@@ -119,8 +119,10 @@ def forward(
     return BatchOutput.concat(done)
 
 
-def _stacked(tiles: Tiles, part: slice) -> torch.Tensor:
-    return tiles[part] if isinstance(tiles, torch.Tensor) else torch.stack(list(tiles[part]))
+def _forward_part(model: ServerModel, tiles: Tiles, part: slice, mode: Mode) -> BatchOutput:
+    if isinstance(tiles, torch.Tensor):
+        return model.forward_batch(tiles[part], mode)
+    return model.forward_tiles(tiles[part], mode)  # no stacked copy (ServerModel.forward_tiles)
 
 
 class _Claims:

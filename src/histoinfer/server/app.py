@@ -22,7 +22,6 @@ from typing import Any, Literal
 import anyio
 import anyio.to_thread
 import pydantic_core
-import torch
 from fastapi import FastAPI, Request
 from PIL import Image
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
@@ -205,7 +204,7 @@ def warm_up(client: InProcessClient) -> None:
     for mode in meta.modes:
         # On the device's thread, like every pass: run on this worker thread, it would leave it
         # an OpenMP team and slow every later pass (models/device_thread.py).
-        output = device_thread(model.device).call(model.forward_batch, torch.stack([tile]), mode)
+        output = device_thread(model.device).call(model.forward_tiles, [tile], mode)
         model.postprocess(request, output.split()[0], mode).model_dump_json()
 
 
