@@ -4,7 +4,8 @@ Three measurements, on the tiny model and the benchmark's own bodies:
 
 1. **Step costs**: each step of a request, alone on one thread (µs per tile): JSON parse and
    validation, base64, PNG decode, resize (only for tiles not already 224 px), tensor build,
-   the scheduler's own cost per request, stack, forward, split, postprocess + JSON out.
+   the scheduler's own cost per request, forward, split, postprocess + JSON out (and the
+   stack a GPU pass still makes).
 2. **GIL scaling**: each CPU step run on 1 thread, then on 2 threads at once. A step that
    releases the GIL runs ~2x as fast in aggregate on 2 cores; one that holds it runs ~1x.
 3. **Sampling profile** (py-spy, when installed): a child process runs dynamic batching on
@@ -80,8 +81,8 @@ STEP_NAMES: dict[str, tuple[str, int]] = {
     "resize 256->224 (not on the 224 path)": ("step_resize", 1),
     "tensor build (tobytes + frombuffer)": ("step_tensor", 1),
     "prepare_sample total (base64..tensor)": ("step_prepare", 1),
-    "stack (batch of 64)": ("step_stack", 64),
-    "forward (batch of 64, incl. normalize)": ("step_forward64", 64),
+    "stack (batch of 64; GPUs only since forward_tiles)": ("step_stack", 64),
+    "forward (64 tiles, incl. normalize)": ("step_forward64", 64),
     "forward (batch of 1)": ("step_forward1", 1),
     "split (.tolist, batch of 64)": ("step_split", 64),
     "postprocess + JSON out": ("step_postprocess", 1),
@@ -136,9 +137,12 @@ def step_functions(model: Any, bodies: list[str]) -> dict[str, Callable[[int], o
         ),
         "tensor build (tobytes + frombuffer)": tensor,
         "prepare_sample total (base64..tensor)": lambda i: model.prepare_sample(requests[i % n]),
-        "stack (batch of 64)": lambda i: torch.stack([tiles[(i + j) % n] for j in range(64)]),
-        "forward (batch of 64, incl. normalize)": (
-            lambda i: model.forward_batch(batch64[i % 4], "predict")
+        "stack (batch of 64; GPUs only since forward_tiles)": (
+            lambda i: torch.stack([tiles[(i + j) % n] for j in range(64)])
+        ),
+        # What the clients run (ServerModel.forward_tiles: no stack on a CPU), unsharded.
+        "forward (64 tiles, incl. normalize)": (
+            lambda i: model.forward_tiles(list(batch64[i % 4]), "predict")
         ),
         "forward (batch of 1)": lambda i: model.forward_batch(tiles[i % n].unsqueeze(0), "predict"),
         "split (.tolist, batch of 64)": lambda i: outputs.split(),
@@ -160,8 +164,7 @@ def step_functions(model: Any, bodies: list[str]) -> dict[str, Callable[[int], o
 PIPELINE = (
     "JSON parse + validate (pydantic)",
     "prepare_sample total (base64..tensor)",
-    "stack (batch of 64)",
-    "forward (batch of 64, incl. normalize)",
+    "forward (64 tiles, incl. normalize)",
     "split (.tolist, batch of 64)",
     "postprocess + JSON out",
 )
@@ -173,7 +176,7 @@ def step_costs(model: Any, bodies: list[str], log: Log) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for name, fn in step_functions(model, bodies).items():
         per_call = STEP_NAMES[name][1]
-        calls = 2 if name.startswith("forward (batch of 64") else 4 if per_call == 64 else 60
+        calls = 2 if name.startswith("forward (64") else 4 if per_call == 64 else 60
         fn(0)
         wall, cpu = _per_call(fn, calls)
         row = {
@@ -186,7 +189,7 @@ def step_costs(model: Any, bodies: list[str], log: Log) -> list[dict[str, Any]]:
         log(f"[profile] {name}: {wall_us:.0f} µs/tile wall, {cpu_us:.0f} µs CPU")
     noop = measure_overhead("scheduler-asyncio", OverheadConfig(requests=5000, concurrency=64))
     rows.insert(
-        next(i for i, row in enumerate(rows) if row["step"].startswith("stack")),
+        next(i for i, row in enumerate(rows) if row["step"].startswith("forward (64")),
         {
             "step": "scheduler (no-op batch fn, 64 in flight, asyncio)",
             "us_per_tile": 1e6 / noop.throughput,
@@ -203,7 +206,7 @@ def cpu_budget(steps: list[dict[str, Any]]) -> dict[str, float]:
     wall = sum(by_name[name]["us_per_tile"] for name in PIPELINE)
     cpu = sum(by_name[name]["cpu_us_per_tile"] for name in PIPELINE)
     cores = os.cpu_count() or 1
-    forward = by_name["forward (batch of 64, incl. normalize)"]["us_per_tile"]
+    forward = by_name["forward (64 tiles, incl. normalize)"]["us_per_tile"]
     explicit = 1e6 / wall
     ceiling = min(cores * 1e6 / cpu, 1e6 / forward)
     return {
@@ -232,10 +235,7 @@ _LINE_PATTERNS: dict[str, tuple[tuple[str, str], ...]] = {
         ("Image.open", "PNG decode"),
         (".load()", "PNG decode"),
     ),
-    "clients/inprocess.py": (
-        ("torch.stack(", "stack"),
-        (".split()", "split (.tolist)"),
-    ),
+    "clients/inprocess.py": ((".split()", "split (.tolist)"),),
 }
 
 
@@ -273,6 +273,7 @@ _FUNCTION_STEPS = {
     "model_dump_json": "postprocess + JSON out",
     "_finish": "postprocess + JSON out",
     "forward_batch": "forward",
+    "forward_tiles": "forward",
     "_run_program": "forward",
 }
 _IDLE_LEAVES = frozenset({"select", "poll", "get_events", "wait", "get"})

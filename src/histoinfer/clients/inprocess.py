@@ -5,7 +5,7 @@ One request's path, top to bottom:
     body (JSON str) -> parse + check + decode   [worker thread, bounded]   (_prepare)
                        (dynamic mode: bodies that queue up are decoded a chunk per thread hop)
                     -> BatchScheduler of this loop and mode             (dynamic mode)
-                    -> stack + forward + split  [the device's thread] (_forward)
+                    -> forward + split          [the device's thread]     (_forward)
                     -> postprocess + JSON       [caller]                  (_finish)
 
 The microservice runs this same client, so in-process and remote behave the same by construction.
@@ -95,7 +95,7 @@ def _forward(
         share = None  # sharded, idle, or not a CPU: every thread, and nothing to learn from
     if share is not None:
         threads -= share.cores_to_leave(all_threads)
-    # The stack too: a parallel copy wakes the OpenMP workers, which then spin for a while.
+    # Filling the batch too: a parallel copy wakes the OpenMP workers, which then spin a while.
     with thread_count(threads if threads != all_threads else None):
         started = time.perf_counter()
         output = shards.forward(model, tiles, mode)
@@ -103,7 +103,7 @@ def _forward(
         share.record_forward(len(tiles), time.perf_counter() - started, threads, all_threads)
     samples = output.split()
     if len(samples) != len(tiles):
-        raise RuntimeError(f"forward_batch returned {len(samples)} rows for {len(tiles)} tiles")
+        raise RuntimeError(f"the forward pass returned {len(samples)} rows for {len(tiles)} tiles")
     return samples
 
 
