@@ -1,8 +1,8 @@
 """Tile decoding: base64 -> PNG/JPEG/TIFF -> RGB -> resized ``uint8`` tensor ``[3, H, W]``.
 
-Decoding stops at uint8 on purpose: normalization runs once per batch, on the device, in
-:meth:`ServerModel.forward_batch`, which is cheaper than normalizing each tile on the CPU and
-keeps this step's output four times smaller.
+Decoding stops at uint8 on purpose: normalization runs on the device's thread, as each tile is
+copied into the float batch (:meth:`ServerModel.forward_tiles`; on a GPU, once per batch in
+``forward_batch``), which keeps this step's output four times smaller and its threads free.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ except ImportError:  # pragma: no cover - exercised where the extra is missing
 
 
 def _to_tensor(pixels: torch.Tensor, tile_size: int) -> torch.Tensor:
-    """HWC bytes -> a contiguous [3, T, T] uint8 tile, so stacking a batch is a plain copy.
+    """HWC bytes -> a contiguous [3, T, T] uint8 tile, so filling its batch row is a plain copy.
 
     The transposing copy is numpy's, on purpose: a torch copy this size is a parallel op, which
     would give every decode thread an OpenMP team of its own and put the process in libgomp's

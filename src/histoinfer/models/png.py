@@ -49,17 +49,25 @@ def read_header(raw: bytes) -> PngHeader | None:
     return PngHeader(width, height, depth, color_type, _has_trns(raw))
 
 
+#: chunks read before the first IDAT at most; a PNG with more may have a tRNS among them
+_MAX_CHUNKS_BEFORE_IDAT = 64
+
+
 def _has_trns(raw: bytes) -> bool:
-    # tRNS must come before the first IDAT; walking the chunk headers costs a few µs.
+    """Whether a tRNS chunk (it must come before the first IDAT) may be present. Walking the
+    chunk headers costs a few µs; it stops after a bounded number of chunks, so a body made of
+    millions of empty chunks costs nothing either, and is then assumed to have one."""
     position = 8
-    while position + 8 <= len(raw):
+    for _ in range(_MAX_CHUNKS_BEFORE_IDAT):
+        if position + 8 > len(raw):
+            return False  # truncated before any pixel data: the decoders will refuse it
         length, kind = struct.unpack(">I4s", raw[position : position + 8])
         if kind == b"tRNS":
             return True
         if kind in (b"IDAT", b"IEND"):
             return False
         position += 12 + length
-    return False
+    return True
 
 
 @dataclass(frozen=True)

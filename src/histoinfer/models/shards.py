@@ -84,7 +84,7 @@ def forward(
     model: ServerModel, tiles: Tiles, mode: Mode, threads: int | None = None
 ) -> BatchOutput:
     """One forward pass over ``tiles`` (a stacked ``uint8`` batch or a list of tiles), on the
-    device's thread: sharded where :func:`plan` says so, else ``forward_batch`` as it is.
+    device's thread: sharded where :func:`plan` says so, else in one piece.
 
     ``threads``: the torch threads the pass may use (default: this thread's count). A list goes
     to ``ServerModel.forward_tiles`` part by part, on the workers (no stacked copy)."""
