@@ -24,7 +24,7 @@ from histoinfer.bench.measure import check_responses
 from histoinfer.bench.profile import classify_stack
 from histoinfer.bench.report import write_outputs
 from histoinfer.bench.runner import BenchConfig, PathSpec, open_path, run_bench
-from histoinfer.models import shards
+from histoinfer.models import png, shards
 
 PATHS = (
     "raw",
@@ -206,6 +206,10 @@ def test_cli_runs_and_reports(workdir: Path, tmp_path: Path, capsys: pytest.Capt
     expected = shards.describe(torch.get_num_threads())
     assert data["environment"]["cpu_passes"] == expected
     assert f"CPU forward passes: {expected}." in (out / "report.md").read_text()
+    # So does which PNG decoder ran (the `wuffs` extra's is ~25% cheaper than libspng's).
+    decoders = [decoder.name for decoder in png.DECODERS] + ["Pillow"]
+    assert data["environment"]["png_decoders"] == decoders
+    assert f"first that takes a tile: {', '.join(decoders)}." in (out / "report.md").read_text()
 
 
 def test_script_entry_point_rejects_unknown_suite(workdir: Path) -> None:

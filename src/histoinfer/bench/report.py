@@ -109,7 +109,12 @@ def markdown(report: dict[str, Any]) -> str:
         f"load average {_load(env['load_average'])} → {_load(env.get('load_average_end'))}. "
         f"max_batch_size {cfg['max_batch_size']}, max_wait_ms {cfg['max_wait_ms']}; "
         f"medians over {cfg['rounds']} interleaved rounds."
-        + (f" CPU forward passes: {env['cpu_passes']}." if env.get("cpu_passes") else ""),
+        + (f" CPU forward passes: {env['cpu_passes']}." if env.get("cpu_passes") else "")
+        + (
+            f" PNG decoders, first that takes a tile: {', '.join(env['png_decoders'])}."
+            if env.get("png_decoders")
+            else ""
+        ),
         "",
     ]
     checks: list[dict[str, Any]] = []

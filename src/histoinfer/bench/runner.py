@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..models import ServerModel, build_server_model, shards
+from ..models import ServerModel, build_server_model, png, shards
 from ..models.h1 import export_reference_h1
 from ..schema import parse_request
 from .bodies import make_bodies
@@ -530,6 +530,7 @@ def environment() -> dict[str, Any]:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "cpu_passes": shards.describe(torch.get_num_threads()),
+        "png_decoders": [decoder.name for decoder in png.DECODERS] + ["Pillow"],
         "anyio": anyio.__version__ if hasattr(anyio, "__version__") else None,
         "trio": trio.__version__,
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
