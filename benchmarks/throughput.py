@@ -13,6 +13,7 @@ from histoinfer.bench.cli import main
 DEFAULTS = [
     "--suites=throughput",
     "--paths=raw,explicit,dynamic-asyncio,dynamic-trio,bs1-asyncio,bs1-trio",
+    "--modes=predict",
     "--out=bench-results/throughput",
 ]
 

@@ -122,6 +122,7 @@ def test_run_bench_smoke_writes_json_markdown_and_plot(workdir: Path, tmp_path: 
         rounds=2,
         max_batch_size=8,
         suites=("throughput", "overhead", "latency"),
+        modes=("predict",),  # every mode: test_modes_are_swept_and_the_targets_read_on_the_first
         overhead_levels=(8,),
         overhead_requests=400,
         lone_calls=3,
@@ -168,12 +169,43 @@ def test_run_bench_smoke_writes_json_markdown_and_plot(workdir: Path, tmp_path: 
     }
 
     md = (out / "report.md").read_text()
-    assert "| model | path | in flight |" in md
+    assert "| model | path | mode | in flight |" in md
     assert "## Targets (issues 3 and 5)" in md
     assert "## Scheduler overhead" in md
-    assert "| tiny | dynamic-trio | 1 |" in md and "| tiny | dynamic-trio | 8 |" in md
+    assert "| tiny | dynamic-trio | predict | 1 |" in md
+    assert "| tiny | dynamic-trio | predict | 8 |" in md
     assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert any("round 2/2" in line for line in lines)
+
+
+@pytest.mark.timeout(120)
+def test_modes_are_swept_and_the_targets_read_on_the_first(
+    workdir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from histoinfer.cli import main
+
+    out = tmp_path / "modes"
+    args = ["bench", "--suites=throughput", "--paths=raw,explicit,dynamic-asyncio,asyncio-queue"]
+    args += ["--modes=embed,predict_with_embedding", "--levels=4", "--tiles=8", "--rounds=1"]
+    assert main([*args, f"--workdir={workdir}", f"--out={out}", "--quiet"]) == 0
+    data = json.loads((out / "report.json").read_text())
+    assert data["config"]["modes"] == ["embed", "predict_with_embedding"]
+    rows = data["throughput"]["rows"]
+    assert {(r["path"], r["mode"]) for r in rows} == {
+        (path, mode)
+        for path in ("raw", "explicit", "dynamic-asyncio", "asyncio-queue")
+        for mode in ("embed", "predict_with_embedding")
+    }
+    # Each client path counted its batches under the mode it ran (stats are per mode).
+    for row in rows:
+        assert row["mean_batch_size"] is not None and row["mean_batch_size"] >= 1, row
+    [check] = [c for c in data["throughput"]["checks"] if c["issue"] == "3"]
+    assert ", embed, " in check["detail"] and check["value"] is not None
+    md = (out / "report.md").read_text()
+    assert "| tiny | explicit | predict_with_embedding | 4 |" in md
+    capsys.readouterr()
+    assert main(["bench", "--modes=predict,guess", f"--workdir={workdir}", f"--out={out}"]) != 0
+    assert "unknown modes: guess" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(60)

@@ -15,6 +15,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from ..schema import MODES
+
 __all__ = ["configure", "main", "run"]
 
 SUITES = ("throughput", "overhead", "latency", "profile")
@@ -60,6 +62,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=_names,
         default=None,
         help=f"paths to measure (default all): {','.join(PATHS)}",
+    )
+    parser.add_argument(
+        "--modes",
+        type=_names,
+        default=None,
+        help="inference modes to sweep (default all three; --quick and the small model: "
+        "predict): " + ",".join(MODES),
     )
     parser.add_argument(
         "--suites",
@@ -123,6 +132,11 @@ def config_from_args(args: argparse.Namespace) -> Any:
         value = getattr(args, name)
         if value is not None:
             changes[name] = value
+    if args.modes is not None:
+        unknown = [m for m in args.modes if m not in MODES]
+        if unknown or not args.modes:
+            raise ValueError(f"unknown modes: {', '.join(unknown)} (choose from {MODES})")
+        changes["modes"] = changes["small_modes"] = args.modes
     if args.suites is not None:
         unknown = [s for s in args.suites if s not in SUITES]
         if unknown:

@@ -23,6 +23,7 @@ from ..clients.inprocess import InProcessClient
 from ..models import shards
 from ..models.base import ServerModel
 from ..models.device_thread import device_thread
+from ..schema import Mode
 from .loopback import ServerProcess, http_unavailable
 from .measure import Sample, check_responses, drive_async, drive_threads
 from .peers import AsyncBatcherPeer, Pipeline, QueueBatcherPeer
@@ -71,7 +72,7 @@ class BenchPath(ABC):
         return 0.0
 
     @abstractmethod
-    def measure(self, bodies: Sequence[str], concurrency: int) -> Sample: ...
+    def measure(self, bodies: Sequence[str], concurrency: int, mode: Mode) -> Sample: ...
 
 
 def _chunks(n: int, size: int) -> list[range]:
@@ -87,7 +88,7 @@ class RawForward(BenchPath):
     label = "raw forward (pre-stacked tensors)"
     needs_tiles = True
 
-    def measure(self, bodies: Sequence[str], concurrency: int) -> Sample:
+    def measure(self, bodies: Sequence[str], concurrency: int, mode: Mode) -> Sample:
         model = self.ctx.server_model
         chunk = min(concurrency, self.ctx.max_batch_size)
         batches = [torch.stack([self.ctx.tiles[i] for i in r]) for r in _chunks(len(bodies), chunk)]
@@ -98,7 +99,7 @@ class RawForward(BenchPath):
             started = clock()
             for batch in batches:
                 t0 = clock()
-                shards.forward(model, batch, "predict")
+                shards.forward(model, batch, mode)
                 latencies.extend([clock() - t0] * len(batch))
             return clock() - started
 
@@ -127,10 +128,12 @@ class _ClientPath(BenchPath):
     def close(self) -> None:
         self.client.close()
 
-    def _with_stats(self, run: Callable[[], tuple[float, list[float], list[str | None]]]) -> Sample:
-        before = self.client.stats()["predict"]
+    def _with_stats(
+        self, mode: Mode, run: Callable[[], tuple[float, list[float], list[str | None]]]
+    ) -> Sample:
+        before = self.client.stats()[mode]
         wall, latencies, responses = run()
-        after = self.client.stats()["predict"]
+        after = self.client.stats()[mode]
         check_responses(responses, self.name)
         return Sample(
             len(responses),
@@ -149,8 +152,9 @@ class ExplicitLoop(_ClientPath):
     label = "explicit predict_batch loop"
     dynamic = False
 
-    def measure(self, bodies: Sequence[str], concurrency: int) -> Sample:
+    def measure(self, bodies: Sequence[str], concurrency: int, mode: Mode) -> Sample:
         chunk = min(concurrency, self.ctx.max_batch_size)
+        call = getattr(self.client, f"{mode}_batch")  # predict_batch, embed_batch, ...
 
         def run() -> tuple[float, list[float], list[str | None]]:
             responses: list[str | None] = []
@@ -159,11 +163,11 @@ class ExplicitLoop(_ClientPath):
             started = clock()
             for r in _chunks(len(bodies), chunk):
                 t0 = clock()
-                responses.extend(self.client.predict_batch([bodies[i] for i in r]))
+                responses.extend(call([bodies[i] for i in r]))
                 latencies.extend([clock() - t0] * len(r))
             return clock() - started, latencies, responses
 
-        return self._with_stats(run)
+        return self._with_stats(mode, run)
 
 
 class ExplicitParallelDecode(ExplicitLoop):
@@ -182,11 +186,10 @@ class DynamicAsync(_ClientPath):
 
     backend: ClassVar[str] = "asyncio"
 
-    def measure(self, bodies: Sequence[str], concurrency: int) -> Sample:
+    def measure(self, bodies: Sequence[str], concurrency: int, mode: Mode) -> Sample:
+        call = getattr(self.client, f"{mode}_async")  # predict_async, embed_async, ...
         return self._with_stats(
-            lambda: anyio.run(
-                drive_async, self.client.predict_async, bodies, concurrency, backend=self.backend
-            )
+            mode, lambda: anyio.run(drive_async, call, bodies, concurrency, backend=self.backend)
         )
 
 
@@ -221,32 +224,31 @@ class SyncThreads(_ClientPath):
     name = "sync-threads"
     label = "sync predict from N threads"
 
-    def measure(self, bodies: Sequence[str], concurrency: int) -> Sample:
-        return self._with_stats(lambda: drive_threads(self.client.predict, bodies, concurrency))
+    def measure(self, bodies: Sequence[str], concurrency: int, mode: Mode) -> Sample:
+        call = getattr(self.client, mode)  # predict, embed, predict_with_embedding
+        return self._with_stats(mode, lambda: drive_threads(call, bodies, concurrency))
 
 
 class _PeerPath(BenchPath):
     """An external batcher running our pipeline, created fresh in each measurement's loop."""
 
-    def open(self) -> None:
-        self.pipeline = Pipeline(self.ctx.server_model)
-
     @abstractmethod
-    def make_peer(self) -> AsyncBatcherPeer | QueueBatcherPeer: ...
+    def make_peer(self, pipeline: Pipeline) -> AsyncBatcherPeer | QueueBatcherPeer: ...
 
-    def measure(self, bodies: Sequence[str], concurrency: int) -> Sample:
+    def measure(self, bodies: Sequence[str], concurrency: int, mode: Mode) -> Sample:
+        pipeline = Pipeline(self.ctx.server_model, mode)
+
         async def run() -> tuple[float, list[float], list[str | None]]:
-            peer = self.make_peer()
+            peer = self.make_peer(pipeline)
             try:
                 return await drive_async(peer.predict, bodies, concurrency)
             finally:
                 await peer.aclose()
 
-        b0, s0, f0 = self.pipeline.counters()
         wall, latencies, responses = anyio.run(run, backend="asyncio")
-        b1, s1, f1 = self.pipeline.counters()
+        batches, samples, forward_s = pipeline.counters()
         check_responses(responses, self.name)
-        return Sample(len(bodies), wall, latencies, b1 - b0, s1 - s0, f1 - f0)
+        return Sample(len(bodies), wall, latencies, batches, samples, forward_s)
 
 
 class AsyncBatcherPath(_PeerPath):
@@ -260,16 +262,16 @@ class AsyncBatcherPath(_PeerPath):
             return "async-batcher is not installed (pip install 'histoinfer[bench]')"
         return None
 
-    def make_peer(self) -> AsyncBatcherPeer:
-        return AsyncBatcherPeer(self.pipeline, self.ctx.max_batch_size, self.ctx.max_wait_ms)
+    def make_peer(self, pipeline: Pipeline) -> AsyncBatcherPeer:
+        return AsyncBatcherPeer(pipeline, self.ctx.max_batch_size, self.ctx.max_wait_ms)
 
 
 class QueueBatcherPath(_PeerPath):
     name = "asyncio-queue"
     label = "peer: plain asyncio.Queue batcher, same pipeline"
 
-    def make_peer(self) -> QueueBatcherPeer:
-        return QueueBatcherPeer(self.pipeline, self.ctx.max_batch_size, self.ctx.max_wait_ms)
+    def make_peer(self, pipeline: Pipeline) -> QueueBatcherPeer:
+        return QueueBatcherPeer(pipeline, self.ctx.max_batch_size, self.ctx.max_wait_ms)
 
 
 class HttpLoopback(BenchPath):
@@ -289,7 +291,7 @@ class HttpLoopback(BenchPath):
             max_wait_ms=self.ctx.max_wait_ms,
             model=self.model,
         )
-        self.note = f"client: {http_client_kind()}; server: {' '.join(self.server.command[1:])}"
+        self.note = f"client: histoinfer.HttpClient; server: {' '.join(self.server.command[1:])}"
 
     def close(self) -> None:
         self.server.close()
@@ -297,13 +299,14 @@ class HttpLoopback(BenchPath):
     def external_cpu_s(self) -> float:
         return self.server.cpu_s()
 
-    def measure(self, bodies: Sequence[str], concurrency: int) -> Sample:
+    def measure(self, bodies: Sequence[str], concurrency: int, mode: Mode) -> Sample:
         base_url, model = self.server.base_url, self.model
 
         async def run() -> tuple[float, list[float], list[str | None]]:
             client = _http_client(base_url, model)
             async with client:
-                return await drive_async(client.predict_async, bodies, concurrency)
+                call = getattr(client, f"{mode}_async")
+                return await drive_async(call, bodies, concurrency)
 
         before = self.server.metrics()
         wall, latencies, responses = anyio.run(run, backend="asyncio")
@@ -326,46 +329,10 @@ class HttpLoopback(BenchPath):
         )
 
 
-class _PlainHttpx:
-    """Without ``histoinfer.HttpClient``: the same route through a bare ``httpx.AsyncClient``."""
-
-    def __init__(self, base_url: str, model: str, max_connections: int) -> None:
-        import httpx
-
-        self._url = f"/api/predict/{model}"
-        self._client = httpx.AsyncClient(
-            base_url=base_url,
-            timeout=120.0,
-            limits=httpx.Limits(max_connections=max_connections),
-            headers={"content-type": "application/json"},
-        )
-
-    async def predict_async(self, body: str) -> str:
-        response = await self._client.post(self._url, content=body)
-        response.raise_for_status()
-        return response.text
-
-    async def __aenter__(self) -> _PlainHttpx:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self._client.aclose()
-
-
-def http_client_kind() -> str:
-    try:
-        from histoinfer.clients.http import HttpClient  # noqa: F401
-    except ImportError:
-        return "httpx.AsyncClient (histoinfer.HttpClient not available yet)"
-    return "histoinfer.HttpClient"
-
-
 def _http_client(base_url: str, model: str) -> Any:
     """``HttpClient`` as shipped (its default pool of 256 connections): what users measure."""
-    try:
-        from histoinfer.clients.http import HttpClient
-    except ImportError:
-        return _PlainHttpx(base_url, model, 256)
+    from ..clients.http import HttpClient
+
     return HttpClient(base_url, model)
 
 

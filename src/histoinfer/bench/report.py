@@ -120,10 +120,11 @@ def markdown(report: dict[str, Any]) -> str:
     checks: list[dict[str, Any]] = []
     throughput = report.get("throughput")
     if throughput:
-        headers = ["model", "path", "in flight", "tiles", "tiles/s", "p50 ms", "p95 ms"]
+        headers = ["model", "path", "mode", "in flight", "tiles", "tiles/s", "p50 ms", "p95 ms"]
         headers += ["p99 ms", "mean batch", "forward busy", "CPU ms/tile"]
         rows = [
-            [row["model"], row["path"], str(row["concurrency"]), str(row["tiles"])]
+            [row["model"], row["path"], row.get("mode", "predict"), str(row["concurrency"])]
+            + [str(row["tiles"])]
             + [f"{row['throughput']:.1f}"]
             + [f"{row['latency_ms'][q]:.1f}" for q in ("p50", "p95", "p99")]
             + [_num(row["mean_batch_size"]), _pct(row["forward_busy"])]
@@ -180,11 +181,20 @@ def plot(report: dict[str, Any], path: Path) -> bool:
     fig, axes = plt.subplots(len(models), 2, figsize=(12, 4.5 * len(models)), squeeze=False)
     for (ax_tp, ax_lat), model in zip(axes, models, strict=True):
         rows = [row for row in throughput["rows"] if row["model"] == model]
-        for name in dict.fromkeys(row["path"] for row in rows):
-            series = sorted((r for r in rows if r["path"] == name), key=lambda r: r["concurrency"])
+        modes = list(dict.fromkeys(row.get("mode", "predict") for row in rows))
+        paths = list(dict.fromkeys(row["path"] for row in rows))
+        for name, mode in dict.fromkeys((row["path"], row.get("mode", "predict")) for row in rows):
+            series = sorted(
+                (r for r in rows if (r["path"], r.get("mode", "predict")) == (name, mode)),
+                key=lambda r: r["concurrency"],
+            )
             xs = [r["concurrency"] for r in series]
-            ax_tp.plot(xs, [r["throughput"] for r in series], marker="o", label=name)
-            ax_lat.plot(xs, [r["latency_ms"]["p95"] for r in series], marker="o", label=name)
+            # One colour per path, one line style per mode.
+            style: dict[str, Any] = {"marker": "o", "color": f"C{paths.index(name) % 10}"}
+            style["label"] = name if len(modes) == 1 else f"{name} ({mode})"
+            style["linestyle"] = ("-", "--", ":")[modes.index(mode) % 3]
+            ax_tp.plot(xs, [r["throughput"] for r in series], **style)
+            ax_lat.plot(xs, [r["latency_ms"]["p95"] for r in series], **style)
         for ax, title, unit in (
             (ax_tp, "throughput", "tiles/s"),
             (ax_lat, "p95 latency", "ms"),

@@ -22,7 +22,7 @@ import torch
 
 from ..models import ServerModel, build_server_model, png, shards
 from ..models.h1 import export_reference_h1
-from ..schema import parse_request
+from ..schema import MODES, Mode, parse_request
 from .bodies import make_bodies
 from .isolation import Isolated, Local, Unavailable
 from .latency import LONE_VARIANTS, LoneLatency, p50_ms
@@ -51,6 +51,8 @@ class BenchConfig:
     models: tuple[str, ...] = ("tiny",)
     paths: tuple[str, ...] = tuple(PATHS)
     levels: tuple[int, ...] = (1, 8, 64, 512)
+    #: inference modes swept on the tiny model; the targets are read on the first
+    modes: tuple[Mode, ...] = MODES
     tiles: int = 512
     #: at low concurrency a level needs fewer tiles to be measured: max(min_tiles, 8 * level)
     min_tiles: int = 128
@@ -62,6 +64,7 @@ class BenchConfig:
     # The small model costs ~40 ms a tile here: fewer paths, one level, fewer tiles and rounds.
     small_paths: tuple[str, ...] = ("raw", "explicit", "dynamic-asyncio", "dynamic-trio")
     small_levels: tuple[int, ...] = (512,)
+    small_modes: tuple[Mode, ...] = ("predict",)
     small_tiles: int = 256
     small_rounds: int = 3
     overhead_levels: tuple[int, ...] = (1, 64, 512)
@@ -81,6 +84,7 @@ def quick_config(**overrides: Any) -> BenchConfig:
     """``--quick``: the same suites, fewer levels, tiles and rounds (well under 2 minutes)."""
     base = BenchConfig(
         levels=(1, 512),
+        modes=("predict",),
         tiles=256,
         min_tiles=32,
         rounds=3,
@@ -176,18 +180,21 @@ class Check:
         return {**asdict(self), "met": self.met}
 
 
+#: (model, path, mode, level) -> one sample per round
+Samples = dict[tuple[str, str, Mode, int], list[Sample]]
+
+
 def _paired(
-    samples: dict[tuple[str, str, int], list[Sample]], model: str, num: str, den: str, level: int
+    samples: Samples, model: str, mode: Mode, num: str, den: str, level: int
 ) -> list[float]:
-    a, b = samples.get((model, num, level)), samples.get((model, den, level))
+    a, b = samples.get((model, num, mode, level)), samples.get((model, den, mode, level))
     if not a or not b:
         return []
     return [x.throughput / y.throughput for x, y in zip(a, b, strict=False) if y.throughput > 0]
 
 
-def throughput_checks(
-    samples: dict[tuple[str, str, int], list[Sample]], cfg: BenchConfig
-) -> list[Check]:
+def throughput_checks(samples: Samples, cfg: BenchConfig) -> list[Check]:
+    """The targets, read on the first mode measured (``predict`` unless told otherwise)."""
     checks: list[Check] = []
 
     def ratio(
@@ -196,8 +203,9 @@ def throughput_checks(
         requested = set(cfg.paths) & set(cfg.small_paths if model == "small" else cfg.paths)
         if not {num, den} <= requested:
             return  # not asked for (a script measuring some paths only)
-        rounds = _paired(samples, model, num, den, level)
-        detail = f"{model} model, {cfg.tiles_at(model, level)} tiles, {level} in flight"
+        mode = (cfg.small_modes if model == "small" else cfg.modes)[0]
+        rounds = _paired(samples, model, mode, num, den, level)
+        detail = f"{model} model, {mode}, {cfg.tiles_at(model, level)} tiles, {level} in flight"
         if not rounds:
             detail += f" (not measured: {num} or {den} missing)"
         checks.append(Check(name, issue, _median(rounds), target, True, rounds, detail))
@@ -215,7 +223,7 @@ def throughput_checks(
         ratio("dynamic / explicit loop", "5", "small", "dynamic-asyncio", "explicit", top, 1.05)
         busy = [
             s.busy_share
-            for s in samples.get(("small", "dynamic-asyncio", top), [])
+            for s in samples.get(("small", "dynamic-asyncio", cfg.small_modes[0], top), [])
             if s.busy_share is not None
         ]
         checks.append(
@@ -226,7 +234,8 @@ def throughput_checks(
                 0.95,
                 True,
                 busy,
-                f"small model, {cfg.tiles_at('small', top)} tiles, {top} in flight",
+                f"small model, {cfg.small_modes[0]}, {cfg.tiles_at('small', top)} tiles, "
+                f"{top} in flight",
             )
         )
     return checks
@@ -257,9 +266,9 @@ class OpenPath:
         self.bodies = bodies
         self.info = {"label": path.label, "note": path.note}
 
-    def measure(self, n: int, concurrency: int) -> Sample:
+    def measure(self, n: int, concurrency: int, mode: Mode = "predict") -> Sample:
         cpu0 = time.process_time() + self.path.external_cpu_s()
-        sample = self.path.measure(self.bodies[:n], concurrency)
+        sample = self.path.measure(self.bodies[:n], concurrency, mode)
         return replace(sample, cpu_s=time.process_time() + self.path.external_cpu_s() - cpu0)
 
     def close(self) -> None:
@@ -311,11 +320,12 @@ def run_throughput(cfg: BenchConfig, log: Log) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     skipped: list[dict[str, str]] = []
     notes: list[dict[str, str]] = []
-    samples: dict[tuple[str, str, int], list[Sample]] = {}
+    samples: Samples = {}
     for size in cfg.models:
         small = size == "small"
         names = [p for p in (cfg.small_paths if small else cfg.paths) if p in cfg.paths]
         levels = cfg.small_levels if small else cfg.levels
+        modes = cfg.small_modes if small else cfg.modes
         rounds = min(cfg.rounds, cfg.small_rounds) if small else cfg.rounds
         checkpoint = ensure_checkpoint(size, workdir, log)
         n = max(cfg.tiles_at(size, level) for level in levels)
@@ -347,33 +357,40 @@ def run_throughput(cfg: BenchConfig, log: Log) -> dict[str, Any]:
                     notes.append({"model": size, "path": spec.name, "note": handle.info["note"]})
             warm = min(n, 2 * cfg.max_batch_size)
             for _, handle in paths:  # warm thread pools, kernels and connections; discarded
-                handle.call("measure", warm, max(levels))
-                handle.call("measure", 4, 1)
+                handle.call("measure", warm, max(levels), modes[0])
+                for mode in modes:
+                    handle.call("measure", 4, 1, mode)
             for r in range(rounds):
-                for level in levels:
-                    shift = r % len(paths) if paths else 0
-                    for name, handle in paths[shift:] + paths[:shift]:
-                        sample: Sample = handle.call("measure", cfg.tiles_at(size, level), level)
-                        samples.setdefault((size, name, level), []).append(sample)
-                        log(
-                            f"[{size}] round {r + 1}/{rounds} c={level:<4} {name:<16} "
-                            f"{sample.throughput:8.1f} tiles/s {sample.cpu_ms_per_tile:6.2f} "
-                            f"CPU ms/tile  load {os.getloadavg()[0]:.1f}"
-                        )
+                for mode in modes:
+                    for level in levels:
+                        shift = r % len(paths) if paths else 0
+                        for name, handle in paths[shift:] + paths[:shift]:
+                            tiles = cfg.tiles_at(size, level)
+                            sample: Sample = handle.call("measure", tiles, level, mode)
+                            samples.setdefault((size, name, mode, level), []).append(sample)
+                            shown = "" if len(modes) == 1 else f" {mode:<22}"
+                            log(
+                                f"[{size}] round {r + 1}/{rounds}{shown} c={level:<4} "
+                                f"{name:<16} {sample.throughput:8.1f} tiles/s "
+                                f"{sample.cpu_ms_per_tile:6.2f} CPU ms/tile  "
+                                f"load {os.getloadavg()[0]:.1f}"
+                            )
         finally:
             for handle in started:
                 handle.close()
-        for name, handle in paths:
-            for level in levels:
-                rows.append(
-                    {
-                        "model": size,
-                        "path": name,
-                        "label": handle.info["label"],
-                        "concurrency": level,
-                        **summarize(samples[(size, name, level)]),
-                    }
-                )
+        for mode in modes:
+            for name, handle in paths:
+                for level in levels:
+                    rows.append(
+                        {
+                            "model": size,
+                            "path": name,
+                            "mode": mode,
+                            "label": handle.info["label"],
+                            "concurrency": level,
+                            **summarize(samples[(size, name, mode, level)]),
+                        }
+                    )
     return {
         "rows": rows,
         "skipped": skipped,
