@@ -7,7 +7,8 @@
 Runs four worker processes, two per version, each holding a dynamic and an explicit
 ``InProcessClient`` of the tiny reference model, and asks them in turn, round after round, to
 measure: ``dynamic`` (512 bodies at once, ``predict_async``, asyncio), ``explicit``
-(``predict_batch`` over chunks of 64) and ``lone`` (p50 ms of 100 single requests, 2 ms apart).
+(``predict_batch`` over chunks of 64) and ``lone`` (p50 ms of 100 single requests, 2 ms apart;
+``--bodies`` and ``--lone-calls`` change the counts).
 Prints each version's median and B / A.
 
 Why this shape (docs/benchmarks.md, "Session 6"): the machine's load drifts by 2x within
@@ -31,7 +32,7 @@ from pathlib import Path
 MEASURES = ("dynamic", "explicit", "lone")
 
 
-def worker(checkpoint: str, bodies_file: str) -> None:
+def worker(checkpoint: str, bodies_file: str, lone_calls: str) -> None:
     """Load one version's clients, then answer one measurement per line read from stdin."""
     import gc
 
@@ -55,7 +56,7 @@ def worker(checkpoint: str, bodies_file: str) -> None:
 
     async def lone() -> float:
         latencies = []
-        for body in bodies[:100]:
+        for body in bodies[: int(lone_calls)]:
             started = time.perf_counter()
             await dynamic.predict_async(body)
             latencies.append(time.perf_counter() - started)
@@ -81,7 +82,8 @@ def worker(checkpoint: str, bodies_file: str) -> None:
             value = anyio.run(lone)
         else:
             break
-        cpu_ms = (time.process_time() - cpu) / (100 if what == "lone" else len(bodies)) * 1e3
+        calls = min(int(lone_calls), len(bodies)) if what == "lone" else len(bodies)
+        cpu_ms = (time.process_time() - cpu) / calls * 1e3
         print(json.dumps({"value": value, "cpu_ms": cpu_ms}), flush=True)
     dynamic.close()
     explicit.close()
@@ -93,7 +95,10 @@ def main() -> None:
     parser.add_argument("--b", required=True, help="version B's src/ folder")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--measure", default=",".join(MEASURES), help=",".join(MEASURES))
-    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--bodies", type=int, default=512, help="bodies a measurement sends")
+    parser.add_argument("--lone-calls", type=int, default=100, help="calls per lone")
+    parser.add_argument("--workdir", type=Path, default=None, help="bench cache dir")
+    parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(*args.worker)
@@ -104,15 +109,15 @@ def main() -> None:
 
     from histoinfer.bench.runner import default_workdir, ensure_checkpoint, load_bodies
 
-    workdir = default_workdir()
+    workdir = args.workdir or default_workdir()
     checkpoint = ensure_checkpoint("tiny", workdir, print)
-    bodies_file = workdir / "ab-bodies-512.json"
-    bodies_file.write_text(json.dumps(load_bodies(512, 0, workdir, print)))
+    bodies_file = workdir / f"ab-bodies-{args.bodies}.json"
+    bodies_file.write_text(json.dumps(load_bodies(args.bodies, 0, workdir, print)))
 
     def start(src: str) -> subprocess.Popen[str]:
         command = [sys.executable, __file__, "--a", "-", "--b", "-", "--worker"]
         return subprocess.Popen(
-            [*command, str(checkpoint), str(bodies_file)],
+            [*command, str(checkpoint), str(bodies_file), str(args.lone_calls)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
