@@ -327,3 +327,13 @@ def test_a_png_of_many_empty_chunks_is_read_in_bounded_time() -> None:
     header = png.read_header(padded)
     assert header is not None and header.transparency  # unknown: assumed present
     assert png.read_header(raw) == dataclasses.replace(header, transparency=False)
+
+
+@pytest.mark.parametrize("mode", ["RGB", "I;16"])  # a fast decoder's PNG, and one only Pillow reads
+def test_a_png_declaring_too_many_pixels_is_refused_from_its_header(mode: str) -> None:
+    raw = bytearray(encode(Image.new(mode, (32, 32))))
+    raw[16:24] = (20_000).to_bytes(4, "big") * 2  # IHDR width and height: 400 M pixels
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # Pillow's DecompressionBombWarning must not even fire
+        with pytest.raises(InvalidRequestError, match="20000x20000, over the"):
+            decode(bytes(raw))

@@ -118,9 +118,11 @@ def decode_tile(
             )
 
     header = png.read_header(raw)
+    if header is not None:
+        # From the header, for any PNG: a bomb costs nothing, and Pillow never sees one.
+        check_size(header.width, header.height)
     fast = png.choose(header) if header is not None else None
     if header is not None and fast is not None:
-        check_size(header.width, header.height)  # from the header: a bomb costs nothing
         try:
             array = fast.decode(raw)
         except Exception:
