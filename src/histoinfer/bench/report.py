@@ -21,6 +21,10 @@ def _load(values: list[float] | None) -> str:
     return "–" if not values else "/".join(f"{v:.2f}" for v in values)
 
 
+def _mode(row: dict[str, Any]) -> str:
+    return str(row.get("mode", "predict"))  # reports written before --modes have none
+
+
 def _met(met: bool | None) -> str:
     return {True: "**met**", False: "not met", None: "not measured"}[met]
 
@@ -123,7 +127,7 @@ def markdown(report: dict[str, Any]) -> str:
         headers = ["model", "path", "mode", "in flight", "tiles", "tiles/s", "p50 ms", "p95 ms"]
         headers += ["p99 ms", "mean batch", "forward busy", "CPU ms/tile"]
         rows = [
-            [row["model"], row["path"], row.get("mode", "predict"), str(row["concurrency"])]
+            [row["model"], row["path"], _mode(row), str(row["concurrency"])]
             + [str(row["tiles"])]
             + [f"{row['throughput']:.1f}"]
             + [f"{row['latency_ms'][q]:.1f}" for q in ("p50", "p95", "p99")]
@@ -181,11 +185,11 @@ def plot(report: dict[str, Any], path: Path) -> bool:
     fig, axes = plt.subplots(len(models), 2, figsize=(12, 4.5 * len(models)), squeeze=False)
     for (ax_tp, ax_lat), model in zip(axes, models, strict=True):
         rows = [row for row in throughput["rows"] if row["model"] == model]
-        modes = list(dict.fromkeys(row.get("mode", "predict") for row in rows))
+        modes = list(dict.fromkeys(_mode(row) for row in rows))
         paths = list(dict.fromkeys(row["path"] for row in rows))
-        for name, mode in dict.fromkeys((row["path"], row.get("mode", "predict")) for row in rows):
+        for name, mode in dict.fromkeys((row["path"], _mode(row)) for row in rows):
             series = sorted(
-                (r for r in rows if (r["path"], r.get("mode", "predict")) == (name, mode)),
+                (r for r in rows if (r["path"], _mode(r)) == (name, mode)),
                 key=lambda r: r["concurrency"],
             )
             xs = [r["concurrency"] for r in series]

@@ -75,6 +75,10 @@ class BenchConfig:
     #: each path (and lone-latency variant) in a process of its own (bench/isolation.py says why)
     isolate: bool = True
 
+    def modes_of(self, model: str) -> tuple[Mode, ...]:
+        """The modes swept on ``model``; its targets are read on the first."""
+        return self.small_modes if model == "small" else self.modes
+
     def tiles_at(self, model: str, level: int) -> int:
         total = self.small_tiles if model == "small" else self.tiles
         return min(total, max(self.min_tiles, 8 * level))
@@ -203,7 +207,7 @@ def throughput_checks(samples: Samples, cfg: BenchConfig) -> list[Check]:
         requested = set(cfg.paths) & set(cfg.small_paths if model == "small" else cfg.paths)
         if not {num, den} <= requested:
             return  # not asked for (a script measuring some paths only)
-        mode = (cfg.small_modes if model == "small" else cfg.modes)[0]
+        mode = cfg.modes_of(model)[0]
         rounds = _paired(samples, model, mode, num, den, level)
         detail = f"{model} model, {mode}, {cfg.tiles_at(model, level)} tiles, {level} in flight"
         if not rounds:
@@ -223,7 +227,7 @@ def throughput_checks(samples: Samples, cfg: BenchConfig) -> list[Check]:
         ratio("dynamic / explicit loop", "5", "small", "dynamic-asyncio", "explicit", top, 1.05)
         busy = [
             s.busy_share
-            for s in samples.get(("small", "dynamic-asyncio", cfg.small_modes[0], top), [])
+            for s in samples.get(("small", "dynamic-asyncio", cfg.modes_of("small")[0], top), [])
             if s.busy_share is not None
         ]
         checks.append(
@@ -234,7 +238,7 @@ def throughput_checks(samples: Samples, cfg: BenchConfig) -> list[Check]:
                 0.95,
                 True,
                 busy,
-                f"small model, {cfg.small_modes[0]}, {cfg.tiles_at('small', top)} tiles, "
+                f"small model, {cfg.modes_of('small')[0]}, {cfg.tiles_at('small', top)} tiles, "
                 f"{top} in flight",
             )
         )
@@ -325,7 +329,7 @@ def run_throughput(cfg: BenchConfig, log: Log) -> dict[str, Any]:
         small = size == "small"
         names = [p for p in (cfg.small_paths if small else cfg.paths) if p in cfg.paths]
         levels = cfg.small_levels if small else cfg.levels
-        modes = cfg.small_modes if small else cfg.modes
+        modes = cfg.modes_of(size)
         rounds = min(cfg.rounds, cfg.small_rounds) if small else cfg.rounds
         checkpoint = ensure_checkpoint(size, workdir, log)
         n = max(cfg.tiles_at(size, level) for level in levels)

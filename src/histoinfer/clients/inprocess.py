@@ -78,7 +78,8 @@ def _forward(
     share: CoreShare | None = None,
     loaded: Callable[[], bool] | None = None,
 ) -> list[SampleOutput]:
-    """Stack, run on the device, split per sample; on the device's thread (one pass at a time).
+    """Run ``tiles`` as one batch and split it per sample; on the device's thread (one pass at
+    a time).
 
     A big enough batch on a small CPU box runs as shards on single-threaded workers, which
     leave the decoders their share of the cores by themselves (models/shards.py). Other passes

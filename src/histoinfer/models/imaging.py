@@ -79,6 +79,13 @@ def _to_tensor(pixels: torch.Tensor, tile_size: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(hwc.transpose(2, 0, 1)))
 
 
+def _resized(rgb: Image.Image, tile_size: int, interpolation: str) -> torch.Tensor:
+    """An RGB image as a tile, resized to ``tile_size`` with the model's interpolation."""
+    if rgb.size != (tile_size, tile_size):
+        rgb = rgb.resize((tile_size, tile_size), _RESAMPLE[interpolation])
+    return _to_tensor(torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8), tile_size)
+
+
 def decode_tile(
     image_data: str,
     *,
@@ -121,21 +128,15 @@ def decode_tile(
     if header is not None:
         # From the header, for any PNG: a bomb costs nothing, and Pillow never sees one.
         check_size(header.width, header.height)
-    fast = png.choose(header) if header is not None else None
-    if header is not None and fast is not None:
+        fast = png.choose(header)
         try:
-            array = fast.decode(raw)
+            array = fast.decode(raw) if fast is not None else None
         except Exception:
-            pass  # corrupt or truncated: Pillow below gives the canonical error message
-        else:
+            array = None  # corrupt or truncated: Pillow below gives the canonical error message
+        if array is not None:
             if (header.width, header.height) == (tile_size, tile_size):
                 return _to_tensor(torch.from_numpy(array), tile_size)
-            resized = Image.fromarray(array).resize(
-                (tile_size, tile_size), _RESAMPLE[interpolation]
-            )
-            return _to_tensor(
-                torch.frombuffer(bytearray(resized.tobytes()), dtype=torch.uint8), tile_size
-            )
+            return _resized(Image.fromarray(array), tile_size, interpolation)
     try:
         # No warnings.catch_warnings() here: it is not thread-safe, and tiles are decoded on
         # many threads at once (it leaked an "error" filter into the process). Our own pixel
@@ -162,6 +163,4 @@ def decode_tile(
                 f"image data is corrupt or truncated ({type(exc).__name__}: {exc})"
             ) from None
         rgb = image if image.mode == "RGB" else image.convert("RGB")
-        if rgb.size != (tile_size, tile_size):
-            rgb = rgb.resize((tile_size, tile_size), _RESAMPLE[interpolation])
-        return _to_tensor(torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8), tile_size)
+        return _resized(rgb, tile_size, interpolation)
