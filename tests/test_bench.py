@@ -163,6 +163,7 @@ def test_run_bench_smoke_writes_json_markdown_and_plot(workdir: Path, tmp_path: 
     assert {"scheduler-asyncio", "scheduler-trio"} <= variants
     assert {r["variant"] for r in data["latency"]["rows"]} == {
         "raw-forward-1",
+        "raw-forward-1-hot",
         "pipeline-1",
         "dynamic-asyncio",
         "dynamic-trio",

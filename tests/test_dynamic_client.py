@@ -194,6 +194,9 @@ async def test_queued_bodies_are_decoded_in_chunks_and_a_bad_one_fails_alone(
     results: dict[str, Any] = {}
 
     with InProcessClient(tiny_model, max_batch_size=16, prepare_threads=1) as client:
+        # A busy device: the first body is not alone, so it takes the decode stage too.
+        device_busy = threading.Event()
+        client._device_thread.submit(device_busy.wait, 30)
         with anyio.fail_after(60):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_outcome, results, "good0", client, 0, None)
@@ -206,6 +209,7 @@ async def test_queued_bodies_are_decoded_in_chunks_and_a_bad_one_fails_alone(
                 [decoder] = client._loops.get().decoders
                 await wait_until(lambda: decoder.queue_depth == len(good) - 1 + len(_BAD_BODIES))
                 gate.set()
+                device_busy.set()
             # The lone first body went alone; the 16 queued behind it went 8 to a hop.
             assert chunks == [1, inprocess.DECODE_CHUNK, inprocess.DECODE_CHUNK]
             for i in range(1, len(_BAD_BODIES) + 1):
@@ -213,6 +217,88 @@ async def test_queued_bodies_are_decoded_in_chunks_and_a_bad_one_fails_alone(
             for i, answer in zip(good, expected(tiny_model, good), strict=True):
                 assert outputs_close(results[f"good{i}"], answer)
             assert _settled(client)
+
+
+async def test_a_lone_request_is_decoded_on_the_device_thread_in_one_hop(
+    monkeypatch: pytest.MonkeyPatch, tiny_model: ServerModel
+) -> None:
+    """Nothing else in flight: the body skips the decode stage and is decoded by the device's
+    thread just before its pass; a bad lone body is refused as the decode stage would, alone.
+    Once the device is busy, a body takes the decode stage again."""
+    from histoinfer.clients import inprocess
+
+    decoded_on: list[str] = []
+    real_prepare = inprocess._prepare_or_refusal
+
+    def watched_prepare(*args: Any, **kwargs: Any) -> Any:
+        decoded_on.append(threading.current_thread().name)
+        return real_prepare(*args, **kwargs)
+
+    monkeypatch.setattr(inprocess, "_prepare_or_refusal", watched_prepare)
+    with InProcessClient(tiny_model) as client, anyio.fail_after(60):
+        device = client._device_thread.name
+        for i in (0, 1):  # two modes: each has its scheduler
+            assert outputs_close(await call(client, i), expected(tiny_model, [i])[0])
+        assert decoded_on == [device, device]
+        assert client._loops.get().decoders[0].stats.snapshot().samples == 0  # the stage never ran
+        for bad in _BAD_BODIES:
+            with pytest.raises(InvalidRequestError) as refused:
+                await client.predict_async(bad)
+            with pytest.raises(InvalidRequestError) as staged:
+                inprocess._prepare(tiny_model, bad, "predict")
+            assert str(refused.value) == str(staged.value)
+        assert outputs_close(await call(client, 2), expected(tiny_model, [2])[0])
+
+        decoded_on.clear()
+        device_busy = threading.Event()
+        client._device_thread.submit(device_busy.wait, 30)
+        async with anyio.create_task_group() as tg:
+            results: dict[str, Any] = {}
+            tg.start_soon(_outcome, results, "busy", client, 3, None)
+            await wait_until(lambda: len(decoded_on) == 1)
+            device_busy.set()
+        assert decoded_on[0] != device
+        assert outputs_close(results["busy"], expected(tiny_model, [3])[0])
+    assert client.stats()["predict"].errors == 0
+
+
+def test_forward_jobs_decodes_bodies_refuses_bad_ones_alone_and_keeps_tiles(
+    tiny_model: ServerModel,
+) -> None:
+    """The batch function of a dynamic forward scheduler: jobs that came as bodies are decoded
+    there (a bad one refused alone), and keep their tile for a bisected re-run."""
+    from histoinfer.clients.inprocess import _forward_jobs, _Job, _prepare
+
+    a, b, c = (i for i in range(9) if mode_of(i) == "predict")  # expected() is per mode
+    request, tile = _prepare(tiny_model, body(b), "predict")
+    jobs = [
+        _Job(body=body(a)),
+        _Job(body=_BAD_BODIES[0]),
+        _Job(request, tile),
+        _Job(body=body(c)),
+    ]
+    results = _forward_jobs(tiny_model, jobs, "predict")
+    assert isinstance(results[1], InvalidRequestError)
+    answers = expected(tiny_model, [a, b, c])
+    for job, result, answer in zip(
+        (jobs[0], jobs[2], jobs[3]), (results[0], results[2], results[3]), answers, strict=True
+    ):
+        assert job.request is not None and job.tile is not None and job.body is None
+        assert not isinstance(result, InvalidRequestError)
+        finished = tiny_model.postprocess(job.request, result, "predict").model_dump_json()
+        assert outputs_close(finished, answer)
+    assert jobs[1].tile is None and jobs[1].request is None
+
+
+async def test_a_lone_poisoned_request_names_itself(tiny_model: ServerModel) -> None:
+    model, _ = hooked_model(tiny_model, _raise_on_poison)
+    poison_body = make_body(
+        1000, image_data=_png_b64(np.full((224, 224, 3), _POISON, dtype=np.uint8))
+    )
+    with InProcessClient(model) as client, anyio.fail_after(60):
+        with pytest.raises(ModelExecutionError, match=r"patch_idx=1000.*poisoned tile"):
+            await client.predict_async(poison_body)
+        assert outputs_close(await call(client, 0), expected(tiny_model, [0])[0])
 
 
 _POISON = 13  # a tile whose every byte is 13 makes the forward pass raise

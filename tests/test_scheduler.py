@@ -248,6 +248,30 @@ async def test_bisection_isolates_a_poisoned_item() -> None:
     assert snap.batches == 2 and snap.samples == 13  # dispatched: [100] and the 12
 
 
+async def test_an_exception_returned_as_a_result_is_raised_to_its_caller_alone() -> None:
+    """A refusal: no bisection, the neighbours get their results, and it is not a sample."""
+    calls: list[list[int]] = []
+
+    def refuses_odd(items: list[int]) -> list[int | BaseException]:
+        calls.append(items)
+        return [ValueError(f"odd {i}") if i % 2 else 10 * i for i in items]
+
+    sched = BatchScheduler(refuses_odd, max_batch_size=16, max_wait_ms=100)
+    results: dict[int, Any] = {}
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            for i in range(6):
+                spawn_submit(tg, sched.submit, i, results)
+        with pytest.raises(ValueError, match="odd 7"):
+            await sched.submit(7)  # a batch of refusals only: nothing counted
+    assert len(calls) == 2 and sorted(calls[0]) == list(range(6))
+    for i in (1, 3, 5):
+        assert str(results.pop(i)) == f"odd {i}"
+    assert results == {0: 0, 2: 20, 4: 40}
+    snap = sched.stats.snapshot()
+    assert snap.batches == 1 and snap.samples == 3 and snap.errors == 0
+
+
 async def test_a_wrong_result_count_fails_only_its_own_item() -> None:
     def drops_five(items: list[int]) -> list[int]:
         return [10 * i for i in items if i != 5]

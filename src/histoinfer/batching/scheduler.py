@@ -23,7 +23,9 @@ How it works (``docs/batching.md`` has the reasons and a sequence diagram):
   is handed over, and the device would idle meanwhile.
 * A caller cancelled while queued marks its pending abandoned and the runner skips it; one
   cancelled while its batch runs just leaves, and the batch completes for the others.
-* A batch function that raises is bisected, so only the failing items get the exception.
+* A batch function that raises is bisected, so only the failing items get the exception. One
+  that returns an exception as an item's result (a refused item) has it raised to that caller
+  alone; a refused item is not counted as a sample of the batch.
 * Completing a pending never raises into the runner, a failing statistics update is logged and
   ignored, and the runner survives its own bugs: anything unexpected fails the requests it holds,
   and it carries on. On trio the runner is a system task, where any escaping exception would
@@ -64,13 +66,14 @@ _QUEUED, _RUNNING, _DONE, _ABANDONED = range(4)
 
 
 class _Pending(Generic[T, R]):
-    __slots__ = ("deadline", "done", "enqueued_at", "error", "item", "result", "state")
+    __slots__ = ("deadline", "done", "enqueued_at", "error", "item", "refused", "result", "state")
 
     def __init__(self, item: T, now: float, deadline: float | None) -> None:
         self.item = item
         self.enqueued_at = now
         self.deadline = deadline
         self.state = _QUEUED
+        self.refused = False  # the batch function returned an exception as its result
         self.done = anyio.Event()
         self.result: R | None = None
         self.error: BaseException | None = None
@@ -90,16 +93,23 @@ class _Handoff(Generic[T, R]):
 
     __slots__ = ("fired", "pendings", "results")
 
-    def __init__(self, pendings: list[_Pending[T, R]], results: Sequence[R]) -> None:
+    def __init__(
+        self, pendings: list[_Pending[T, R]], results: Sequence[R | BaseException]
+    ) -> None:
         self.pendings = pendings
         self.results = results
         self.fired = False
+        for p, result in zip(pendings, results, strict=True):
+            p.refused = isinstance(result, BaseException)
 
     def fire(self) -> None:
         if not self.fired:
             self.fired = True
             for p, result in zip(self.pendings, self.results, strict=True):
-                p.resolve(result)
+                if isinstance(result, BaseException):
+                    p.resolve(error=result)
+                else:
+                    p.resolve(result)
 
 
 def _wake_marker() -> _Pending[Any, Any]:
@@ -114,7 +124,9 @@ class BatchScheduler(Generic[T, R]):
 
     Args:
         batch_fn: maps a list of items to a same-length sequence of results. Runs in a worker
-            thread; it may raise, and the batch is then split to isolate the failing items.
+            thread; it may raise, and the batch is then split to isolate the failing items. An
+            exception returned as an item's result is raised to that item's caller (a refusal:
+            no bisection, and not counted as a sample in ``stats``).
         max_batch_size: most items per call of ``batch_fn`` (counts items, not requests).
         max_wait_ms: upper bound on how long the first item of a batch waits for company.
         max_queue: most items admitted at once (reserved, queued or running); further
@@ -133,13 +145,16 @@ class BatchScheduler(Generic[T, R]):
 
     def __init__(
         self,
-        batch_fn: Callable[[list[T]], Sequence[R]],
+        batch_fn: Callable[[list[T]], Sequence[R | BaseException]],
         *,
         max_batch_size: int = 64,
         max_wait_ms: float = 5.0,
         max_queue: int | None = 4096,
         limiter: anyio.CapacityLimiter | None = None,
-        thread: Callable[[Callable[[], Sequence[R]]], Future[Sequence[R]]] | None = None,
+        thread: Callable[
+            [Callable[[], Sequence[R | BaseException]]], Future[Sequence[R | BaseException]]
+        ]
+        | None = None,
         stats: BatchStats | None = None,
         name: str = "batch",
         on_exit: Callable[[], None] | None = None,
@@ -176,6 +191,7 @@ class BatchScheduler(Generic[T, R]):
         self._send: MemoryObjectSendStream[_Pending[T, R]]
         self._receive: MemoryObjectReceiveStream[_Pending[T, R]]
         self._incoming = 0  # admitted by reserve(), not yet submitted
+        self._admitted = 0  # admitted and not yet released: reserved, queued or running
         self._queued = 0  # submitted, not yet dispatched nor abandoned
         self._closing = False
         self._loop: object | None = None
@@ -260,13 +276,23 @@ class BatchScheduler(Generic[T, R]):
         for. Safe to read from any thread (a plain int, possibly a moment stale)."""
         return self._incoming
 
+    @property
+    def admitted(self) -> int:
+        """Callers admitted and not yet gone: reserved, queued or running. A caller inside a
+        reservation that sees 1 is alone in this scheduler. Read it in the scheduler's loop."""
+        return self._admitted
+
     # -- the caller's side ----------------------------------------------------------------
 
     async def _admit(self, wait: bool, deadline: float | None) -> None:
         if self._closing:
             raise ClientClosedError(f"{self.name}: the scheduler is closed")
-        if self._admission is None:
-            return
+        if self._admission is not None:
+            await self._acquire_room(wait, deadline)
+        self._admitted += 1
+
+    async def _acquire_room(self, wait: bool, deadline: float | None) -> None:
+        assert self._admission is not None
         if not wait:
             try:
                 self._admission.acquire_nowait()
@@ -291,6 +317,7 @@ class BatchScheduler(Generic[T, R]):
         )
 
     def _release(self) -> None:
+        self._admitted -= 1
         if self._admission is not None:
             self._admission.release()
 
@@ -501,7 +528,9 @@ class BatchScheduler(Generic[T, R]):
         self._count(self.stats.queue_changed, -len(live))
         waits = [now - p.enqueued_at for p in live]
         await self._execute(live)
-        self._count(self.stats.record_batch, len(live), waits, time.perf_counter() - now)
+        counted = [wait for p, wait in zip(live, waits, strict=True) if not p.refused]
+        if counted:
+            self._count(self.stats.record_batch, len(counted), counted, time.perf_counter() - now)
 
     async def _execute(self, pendings: list[_Pending[T, R]]) -> None:
         items = [p.item for p in pendings]
@@ -537,7 +566,9 @@ class BatchScheduler(Generic[T, R]):
         if handoff is not None:
             handoff.fire()
 
-    def _call(self, items: list[T], handoff: _Handoff[T, R] | None = None) -> Sequence[R]:
+    def _call(
+        self, items: list[T], handoff: _Handoff[T, R] | None = None
+    ) -> Sequence[R | BaseException]:
         if handoff is not None:
             # The previous batch's callers wake now, while this batch runs.
             call_soon_in_loop(self._loop, handoff.fire)

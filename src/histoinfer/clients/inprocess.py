@@ -8,6 +8,11 @@ One request's path, top to bottom:
                     -> forward + split          [the device's thread]     (_forward)
                     -> postprocess + JSON       [caller]                  (_finish)
 
+A dynamic call that finds nothing else in flight (its scheduler and the device idle) skips the
+decode stage: its body rides to the device's thread, which decodes it just before the pass
+(_forward_jobs). One thread hop instead of two, ~0.35 ms off a lone request, and no decoding is
+kept from overlapping a pass: there is none to overlap.
+
 The microservice runs this same client, so in-process and remote behave the same by construction.
 
 Lifetimes: the per-loop state and its schedulers never reference the client (only a weak
@@ -108,6 +113,51 @@ def _forward(
     return samples
 
 
+class _Job:
+    """One request on its way to a forward pass: decoded already, or a body that the device's
+    thread decodes before the pass (a request that was alone; see the module docstring)."""
+
+    __slots__ = ("body", "request", "tile")
+
+    def __init__(
+        self,
+        request: ModelRequest | None = None,
+        tile: torch.Tensor | None = None,
+        body: str | bytes | None = None,
+    ) -> None:
+        self.body = body
+        self.request = request
+        self.tile = tile
+
+
+def _forward_jobs(
+    model: ServerModel,
+    jobs: list[_Job],
+    mode: Mode,
+    share: CoreShare | None = None,
+    loaded: Callable[[], bool] | None = None,
+) -> list[SampleOutput | InvalidRequestError]:
+    """The dynamic forward schedulers' batch function: decode the jobs that came as bodies
+    (a bad one is refused alone: its refusal is its result, which the scheduler raises to its
+    caller), then :func:`_forward` every tile.
+
+    A decoded job keeps its tile: when a failing batch is bisected, nothing decodes twice.
+    """
+    refusals: dict[int, InvalidRequestError] = {}
+    tiles: list[torch.Tensor] = []
+    for i, job in enumerate(jobs):
+        if job.tile is None:
+            assert job.body is not None
+            decoded = _prepare_or_refusal(model, job.body, mode)
+            if isinstance(decoded, InvalidRequestError):
+                refusals[i] = decoded
+                continue
+            job.request, job.tile, job.body = *decoded, None
+        tiles.append(job.tile)
+    outputs = iter(_forward(model, tiles, mode, share, loaded) if tiles else ())
+    return [refusals[i] if i in refusals else next(outputs) for i in range(len(jobs))]
+
+
 def _prepare(
     model: ServerModel, body: str | bytes, mode: Mode, position: int | None = None
 ) -> Prepared:
@@ -132,7 +182,8 @@ def _decode_chunk(
     model: ServerModel, share: CoreShare, jobs: list[tuple[str | bytes, Mode]]
 ) -> list[Decoded]:
     """The decode stage's batch function: one body's bad input must not fail its neighbours,
-    so refusals are returned, not raised (anything else raised is a bug, and is bisected).
+    so refusals are returned, not raised: the scheduler raises each to its own caller
+    (anything else raised is a bug, and is bisected).
 
     A chunk of several bodies (they queued up: the pipeline is loaded) records its duration in
     ``share``, what a loaded forward pass weighs leaving cores against; a lone body decodes on
@@ -158,12 +209,12 @@ class _LoopState:
         if owner is None:  # pragma: no cover - a call in flight holds the client
             raise ClientClosedError("the client was garbage-collected")
         self.prepare_limiter = anyio.CapacityLimiter(owner.prepare_threads)
-        self.schedulers: dict[Mode, BatchScheduler[torch.Tensor, SampleOutput]] = {}
+        self.schedulers: dict[Mode, BatchScheduler[_Job, SampleOutput]] = {}
         # The decode stage: one small scheduler per decode thread, each decoding the bodies
         # that queued up while its previous chunk ran, in one hop. Admission is the forward
         # schedulers' (a caller holds a reservation there while decoding): unbounded here.
         # Dynamic mode only: batch-size-1 calls decode in one to_thread hop each.
-        self.decoders: list[BatchScheduler[tuple[str | bytes, Mode], Decoded]] = [
+        self.decoders: list[BatchScheduler[tuple[str | bytes, Mode], Prepared]] = [
             BatchScheduler(
                 partial(_decode_chunk, owner.server_model, owner._cores),
                 max_batch_size=DECODE_CHUNK,
@@ -182,11 +233,11 @@ class _LoopState:
         schedulers = list(self.schedulers.values())  # atomic under the GIL; the loop may add one
         return any(scheduler.queue_depth or scheduler.preparing for scheduler in schedulers)
 
-    def decoder(self) -> BatchScheduler[tuple[str | bytes, Mode], Decoded]:
+    def decoder(self) -> BatchScheduler[tuple[str | bytes, Mode], Prepared]:
         """The decode scheduler with the shortest queue."""
         return min(self.decoders, key=lambda decoder: decoder.queue_depth)
 
-    def scheduler(self, mode: Mode) -> BatchScheduler[torch.Tensor, SampleOutput]:
+    def scheduler(self, mode: Mode) -> BatchScheduler[_Job, SampleOutput]:
         scheduler = self.schedulers.get(mode)
         if scheduler is None:
             client = self._client()
@@ -195,7 +246,7 @@ class _LoopState:
             loops, key = client._loops, self._key
             scheduler = self.schedulers[mode] = BatchScheduler(
                 partial(
-                    _forward,
+                    _forward_jobs,
                     client.server_model,
                     mode=mode,
                     share=client._cores,
@@ -243,7 +294,9 @@ class InProcessClient(ClosingContext):
         prepare_threads: worker threads per loop for parsing and decoding.
         request_timeout: seconds from the call until its tile must reach the model (waiting
             for room and preparing included), or :class:`~histoinfer.errors.DeadlineExceededError`;
-            ``None`` waits as long as needed. Once dispatched, a request runs to completion.
+            ``None`` waits as long as needed. Once dispatched, a request runs to completion (a
+            request alone on an idle device is dispatched as a body, decoded on the device's
+            thread: docs/batching.md).
         batch_decode_threads: threads that decode the bodies of one ``*_batch`` call (default
             1: in the calling thread, one after another). More decode a batch in parallel
             before its forward pass: ~1.25x the throughput of ``predict_batch`` with 2 on 2
@@ -431,16 +484,18 @@ class InProcessClient(ClosingContext):
                     wait=self._wait_for_room, timeout=self.request_timeout
                 )
                 async with reservation as slot:
-                    decoded = await state.decoder().submit((body, mode))
-                    if isinstance(decoded, InvalidRequestError):
-                        raise decoded
-                    request, tile = decoded
+                    if scheduler.admitted == 1 and self._device_thread.idle:
+                        job = _Job(body=body)  # alone: decoded on the device's thread
+                    else:  # a bad body is refused here (the decode stage returns refusals)
+                        job = _Job(*await state.decoder().submit((body, mode)))
                     try:
-                        output = await slot.submit(tile)
+                        output = await slot.submit(job)
                     except InferenceError:
                         raise
                     except Exception as exc:
-                        raise _execution_error(request, exc) from exc
+                        raise _execution_error(job.request, exc) from exc
+                    assert job.request is not None
+                    request = job.request
             else:
                 request, tile = await anyio.to_thread.run_sync(
                     _prepare, self.server_model, body, mode, limiter=state.prepare_limiter
@@ -654,5 +709,6 @@ def _running_loop_here() -> bool:
     return True
 
 
-def _execution_error(request: ModelRequest, exc: BaseException) -> ModelExecutionError:
-    return ModelExecutionError(f"forward pass failed for {request.where()}: {exc!r}")
+def _execution_error(request: ModelRequest | None, exc: BaseException) -> ModelExecutionError:
+    where = request.where() if request is not None else "a request"
+    return ModelExecutionError(f"forward pass failed for {where}: {exc!r}")

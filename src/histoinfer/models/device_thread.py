@@ -53,6 +53,13 @@ class DeviceThread:
         # One job at a time, wherever it runs; reentrant: a job may submit another.
         self._running = threading.RLock()
         self._stopped = False
+        self._unfinished = 0  # jobs submitted and not yet done
+        self._count_lock = threading.Lock()
+
+    @property
+    def idle(self) -> bool:
+        """No job queued or running (a moment stale: a hint for scheduling, not a lock)."""
+        return self._unfinished == 0
 
     @property
     def ident(self) -> int | None:
@@ -68,8 +75,15 @@ class DeviceThread:
             self._run(future, fn, args)
             return future
         self._ensure_started()
+        with self._count_lock:
+            self._unfinished += 1
+        future.add_done_callback(self._job_done)
         self._jobs.put((future, fn, args))
         return future
+
+    def _job_done(self, _: Future[Any]) -> None:
+        with self._count_lock:
+            self._unfinished -= 1
 
     def call(self, fn: Callable[..., R], *args: Any) -> R:
         """Run ``fn(*args)`` on the device thread and return its result (or raise its error)."""
