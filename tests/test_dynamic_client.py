@@ -259,6 +259,13 @@ async def test_a_lone_request_is_decoded_on_the_device_thread_in_one_hop(
             device_busy.set()
         assert decoded_on[0] != device
         assert outputs_close(results["busy"], expected(tiny_model, [3])[0])
+
+        decoded_on.clear()  # a big body alone: the decode stage, not the device's thread
+        rng = np.random.default_rng(0)
+        big = _png_b64(rng.integers(0, 256, (500, 500, 3), dtype=np.uint8))
+        assert len(big) > client._lone_body_limit
+        json.loads(await client.predict_async(make_body(7, size=500, image_data=big)))
+        assert len(decoded_on) == 1 and decoded_on[0] != device
     assert client.stats()["predict"].errors == 0
 
 

@@ -11,7 +11,8 @@ One request's path, top to bottom:
 A dynamic call that finds nothing else in flight (its scheduler and the device idle) skips the
 decode stage: its body rides to the device's thread, which decodes it just before the pass
 (_forward_jobs). One thread hop instead of two, ~0.35 ms off a lone request, and no decoding is
-kept from overlapping a pass: there is none to overlap.
+kept from overlapping a pass: there is none to overlap. (Not a body bigger than a couple of
+tiles: its decoding would hold up the passes of requests arriving meanwhile.)
 
 The microservice runs this same client, so in-process and remote behave the same by construction.
 
@@ -343,6 +344,10 @@ class InProcessClient(ClosingContext):
         # and client (SPEC §5), and one OpenMP team (models/device_thread.py).
         self._device_thread = device_thread(server_model.device)
         self._cores = CoreShare(self.prepare_threads)
+        # A lone body bigger than two raw RGB tiles in base64 takes the decode stage: a big
+        # image decoded on the device's thread would hold up the passes of requests that
+        # arrive meanwhile, which the decode stage would let run.
+        self._lone_body_limit = 8 * server_model.assets.tile_size**2
         self._stats = {mode: BatchStats() for mode in MODES}
         self._loops: PerLoop[_LoopState] = PerLoop(partial(_LoopState, weakref.ref(self)))
         # Dropped without close(): end the runner tasks in their loops rather than leave them
@@ -484,7 +489,11 @@ class InProcessClient(ClosingContext):
                     wait=self._wait_for_room, timeout=self.request_timeout
                 )
                 async with reservation as slot:
-                    if scheduler.admitted == 1 and self._device_thread.idle:
+                    if (
+                        scheduler.admitted == 1
+                        and self._device_thread.idle
+                        and len(body) <= self._lone_body_limit
+                    ):
                         job = _Job(body=body)  # alone: decoded on the device's thread
                     else:  # a bad body is refused here (the decode stage returns refusals)
                         job = _Job(*await state.decoder().submit((body, mode)))
