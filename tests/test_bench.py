@@ -20,10 +20,18 @@ from histoinfer.bench.bodies import make_bodies
 from histoinfer.bench.cli import main as bench_main
 from histoinfer.bench.isolation import Isolated, Unavailable
 from histoinfer.bench.loopback import http_unavailable, parse_metrics
-from histoinfer.bench.measure import check_responses
+from histoinfer.bench.measure import Sample, check_responses
 from histoinfer.bench.profile import classify_stack
 from histoinfer.bench.report import write_outputs
-from histoinfer.bench.runner import BenchConfig, PathSpec, open_path, run_bench
+from histoinfer.bench.runner import (
+    BenchConfig,
+    PathSpec,
+    Samples,
+    noise_floor,
+    open_path,
+    quick_config,
+    run_bench,
+)
 from histoinfer.models import png, shards
 
 PATHS = (
@@ -31,6 +39,7 @@ PATHS = (
     "explicit",
     "explicit-parallel",
     "dynamic-asyncio",
+    "dynamic-asyncio-twin",
     "dynamic-trio",
     "asyncio-queue",
     "async-batcher",
@@ -159,6 +168,16 @@ def test_run_bench_smoke_writes_json_markdown_and_plot(workdir: Path, tmp_path: 
         for check in data[section]["checks"]:
             assert check["met"] in (True, False, None)
             assert len(check["per_round"]) <= 2
+    floors = data["throughput"]["noise_floor"]
+    assert [f["concurrency"] for f in floors] == [1, 8]
+    for floor in floors:  # the twin against the original, round by round
+        twin = next(
+            r
+            for r in rows
+            if r["path"] == "dynamic-asyncio-twin" and r["concurrency"] == floor["concurrency"]
+        )
+        assert twin["throughput"] > 0 and len(floor["per_round"]) == 2
+        assert floor["spread"] == max(abs(1 - r) for r in floor["per_round"])
     variants = {r["variant"] for r in data["overhead"]["rows"]}
     assert {"scheduler-asyncio", "scheduler-trio"} <= variants
     assert {r["variant"] for r in data["latency"]["rows"]} == {
@@ -173,6 +192,7 @@ def test_run_bench_smoke_writes_json_markdown_and_plot(workdir: Path, tmp_path: 
     assert "| model | path | mode | in flight |" in md
     assert "## Targets (issues 3 and 5)" in md
     assert "## Scheduler overhead" in md
+    assert "## Noise floor" in md
     assert "| tiny | dynamic-trio | predict | 1 |" in md
     assert "| tiny | dynamic-trio | predict | 8 |" in md
     assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -233,6 +253,7 @@ def test_cli_runs_and_reports(workdir: Path, tmp_path: Path, capsys: pytest.Capt
     assert "report.json" in printed
     data = json.loads((out / "report.json").read_text())
     assert data["config"]["quick"] is True
+    assert "dynamic-asyncio-twin" not in quick_config().paths  # --quick has no noise floor
     assert "--paths=raw,dynamic-asyncio" in data["command"]
     assert {r["path"] for r in data["throughput"]["rows"]} == {"raw", "dynamic-asyncio"}
     # Whether CPU passes were sharded changes every figure: the report says which it was.
@@ -319,3 +340,18 @@ def test_an_isolated_child_that_does_not_answer_in_time_is_killed() -> None:
         handle.call("nap", 60, timeout=1)
     assert time.monotonic() - started < 30
     assert not handle._process.is_alive()
+
+
+def test_the_noise_floor_is_the_twin_over_the_original_round_by_round() -> None:
+    def sample(tiles_per_s: float) -> Sample:
+        return Sample(tiles=100, wall_s=100 / tiles_per_s, latencies_s=[0.1])
+
+    cfg = BenchConfig(levels=(8,), modes=("predict",))
+    samples: Samples = {
+        ("tiny", "dynamic-asyncio", "predict", 8): [sample(500), sample(400), sample(600)],
+        ("tiny", "dynamic-asyncio-twin", "predict", 8): [sample(510), sample(380), sample(600)],
+    }
+    [floor] = noise_floor(samples, cfg)
+    assert floor["per_round"] == pytest.approx([1.02, 0.95, 1.0])
+    assert floor["median"] == pytest.approx(1.0) and floor["spread"] == pytest.approx(0.05)
+    assert noise_floor({}, cfg) == []  # the twin not measured: no floor

@@ -178,6 +178,11 @@ def run(args: argparse.Namespace) -> int:
                 f"  #{check['issue']} {check['name']}: {value} ({sign} {check['target']:g}) "
                 f"{verdict}"
             )
+    for floor in report.get("throughput", {}).get("noise_floor", []):
+        print(
+            f"  noise floor ({floor['model']}, {floor['concurrency']} in flight): identical "
+            f"processes differed by up to {floor['spread']:.1%} a round"
+        )
     print(f"done in {report['seconds']} s")
     return 0
 

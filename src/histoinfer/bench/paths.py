@@ -198,6 +198,15 @@ class DynamicAsyncio(DynamicAsync):
     label = "dynamic batching, asyncio"
 
 
+class DynamicAsyncioTwin(DynamicAsyncio):
+    """``dynamic-asyncio`` again, in a process of its own: how far two identical processes
+    measured in the same rounds differ (the run's noise floor, against which read every
+    ratio)."""
+
+    name = "dynamic-asyncio-twin"
+    label = "dynamic batching, asyncio: an identical second process (the noise floor)"
+
+
 class DynamicTrio(DynamicAsync):
     name = "dynamic-trio"
     label = "dynamic batching, trio"
@@ -343,6 +352,7 @@ PATHS: dict[str, type[BenchPath]] = {
         ExplicitLoop,
         ExplicitParallelDecode,
         DynamicAsyncio,
+        DynamicAsyncioTwin,
         DynamicTrio,
         BatchSizeOne,
         BatchSizeOneTrio,

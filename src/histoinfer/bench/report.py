@@ -165,6 +165,29 @@ def markdown(report: dict[str, Any]) -> str:
         checks += latency["checks"]
     if checks:
         out += ["## Targets (issues 3 and 5)", "", *_checks_table(checks)]
+    floors = (throughput or {}).get("noise_floor") or []
+    if floors:
+        out += [
+            "## Noise floor",
+            "",
+            "`dynamic-asyncio-twin` runs the same code as `dynamic-asyncio` in another process,"
+            " in the same rounds: their ratio is what chance alone does to a ratio in this run.",
+            "",
+            *_table(
+                ["model", "mode", "in flight", "twin / original (median)", "largest gap", "rounds"],
+                [
+                    [
+                        f["model"],
+                        f["mode"],
+                        str(f["concurrency"]),
+                        f"{f['median']:.3f}",
+                        f"{f['spread']:.1%}",
+                        ", ".join(f"{r:.3f}" for r in f["per_round"]),
+                    ]
+                    for f in floors
+                ],
+            ),
+        ]
     profile = report.get("profile")
     if profile:
         out += _profile_section(profile)

@@ -84,9 +84,15 @@ class BenchConfig:
         return min(total, max(self.min_tiles, 8 * level))
 
 
+#: the noise floor: a path measured against an identical copy of itself in another process
+TWIN = ("dynamic-asyncio-twin", "dynamic-asyncio")
+
+
 def quick_config(**overrides: Any) -> BenchConfig:
-    """``--quick``: the same suites, fewer levels, tiles and rounds (well under 2 minutes)."""
+    """``--quick``: the same suites, fewer levels, tiles and rounds (well under 2 minutes),
+    and no noise-floor twin."""
     base = BenchConfig(
+        paths=tuple(p for p in PATHS if p != TWIN[0]),
         levels=(1, 512),
         modes=("predict",),
         tiles=256,
@@ -400,7 +406,32 @@ def run_throughput(cfg: BenchConfig, log: Log) -> dict[str, Any]:
         "skipped": skipped,
         "notes": notes,
         "checks": [c.as_dict() for c in throughput_checks(samples, cfg)],
+        "noise_floor": noise_floor(samples, cfg),
     }
+
+
+def noise_floor(samples: Samples, cfg: BenchConfig) -> list[dict[str, Any]]:
+    """Per model and level: the twin's throughput over its original's, round by round. Two
+    processes running the same code differ by this much in the same minutes; a ratio this
+    close to its target says nothing either way."""
+    twin, original = TWIN
+    floors = []
+    for model in cfg.models:
+        mode = cfg.modes_of(model)[0]
+        for level in cfg.small_levels if model == "small" else cfg.levels:
+            rounds = _paired(samples, model, mode, twin, original, level)
+            if rounds:
+                floors.append(
+                    {
+                        "model": model,
+                        "mode": mode,
+                        "concurrency": level,
+                        "median": _median(rounds),
+                        "spread": max(abs(1 - r) for r in rounds),
+                        "per_round": rounds,
+                    }
+                )
+    return floors
 
 
 def run_overhead(cfg: BenchConfig, log: Log) -> dict[str, Any]:
