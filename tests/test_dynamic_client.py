@@ -241,7 +241,7 @@ async def test_a_lone_request_is_decoded_on_the_device_thread_in_one_hop(
             assert outputs_close(await call(client, i), expected(tiny_model, [i])[0])
         assert decoded_on == [device, device]
         assert client._loops.get().decoders[0].stats.snapshot().samples == 0  # the stage never ran
-        for bad in _BAD_BODIES:
+        for bad in [*_BAD_BODIES, 123, None, ["not", "a", "body"]]:
             with pytest.raises(InvalidRequestError) as refused:
                 await client.predict_async(bad)
             with pytest.raises(InvalidRequestError) as staged:

@@ -492,6 +492,7 @@ class InProcessClient(ClosingContext):
                     if (
                         scheduler.admitted == 1
                         and self._device_thread.idle
+                        and isinstance(body, (str, bytes))  # anything else is refused below
                         and len(body) <= self._lone_body_limit
                     ):
                         job = _Job(body=body)  # alone: decoded on the device's thread
