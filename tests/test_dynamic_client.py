@@ -235,6 +235,17 @@ async def test_a_lone_request_is_decoded_on_the_device_thread_in_one_hop(
         return real_prepare(*args, **kwargs)
 
     monkeypatch.setattr(inprocess, "_prepare_or_refusal", watched_prepare)
+    # The decode stage's chunks wait while `released` is clear (it is set until needed).
+    released, entered = threading.Event(), threading.Event()
+    real_chunk = inprocess._decode_chunk
+
+    def gated_chunk(model: ServerModel, share: Any, jobs: list[Any]) -> list[Any]:
+        entered.set()
+        released.wait(30)
+        return real_chunk(model, share, jobs)
+
+    released.set()
+    monkeypatch.setattr(inprocess, "_decode_chunk", gated_chunk)
     with InProcessClient(tiny_model) as client, anyio.fail_after(60):
         device = client._device_thread.name
         for i in (0, 1):  # two modes: each has its scheduler
@@ -259,6 +270,24 @@ async def test_a_lone_request_is_decoded_on_the_device_thread_in_one_hop(
             device_busy.set()
         assert decoded_on[0] != device
         assert outputs_close(results["busy"], expected(tiny_model, [3])[0])
+
+        decoded_on.clear()  # another mode's call in flight: not alone
+        released.clear()
+        entered.clear()
+        async with anyio.create_task_group() as tg:
+            results = {}
+            device_busy = threading.Event()
+            client._device_thread.submit(device_busy.wait, 30)
+            tg.start_soon(_outcome, results, "embed", client, 4, None)  # mode_of(4): embed
+            await wait_until(entered.is_set)  # a busy device: the decode stage
+            device_busy.set()
+            await wait_until(lambda: client._device_thread.idle)
+            tg.start_soon(_outcome, results, "predict", client, 3, None)
+            await wait_until(lambda: client._loops.get().admitted() == 2)
+            released.set()
+        assert len(decoded_on) == 2 and device not in decoded_on
+        for key, i in (("embed", 4), ("predict", 3)):
+            assert outputs_close(results[key], expected(tiny_model, [i])[0])
 
         decoded_on.clear()  # a big body alone: the decode stage, not the device's thread
         rng = np.random.default_rng(0)
