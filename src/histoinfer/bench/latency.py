@@ -8,7 +8,7 @@ The scheduler must not hold a lone request for its whole window. Compared, in ea
   comes after a pause;
 * ``raw-forward-1-hot``: the same, calls back to back (the model's best case);
 * ``pipeline-1``: ``predict_batch([body])`` on an explicit client (the same request's whole
-  work, parse to JSON, with no scheduler and no thread hops);
+  work, parse to JSON, with no scheduler and one hop, to the device's thread and back);
 * ``dynamic-asyncio`` / ``dynamic-trio``: ``predict_async(body)`` on a dynamic client.
 """
 
