@@ -31,6 +31,7 @@ from histoinfer.bench.runner import (
     open_path,
     quick_config,
     run_bench,
+    throughput_checks,
 )
 from histoinfer.models import png, shards
 
@@ -355,3 +356,18 @@ def test_the_noise_floor_is_the_twin_over_the_original_round_by_round() -> None:
     assert floor["per_round"] == pytest.approx([1.02, 0.95, 1.0])
     assert floor["median"] == pytest.approx(1.0) and floor["spread"] == pytest.approx(0.05)
     assert noise_floor({}, cfg) == []  # the twin not measured: no floor
+
+    # Each target ratio carries the floor where it was measured, and says when it is within it.
+    samples[("tiny", "explicit", "predict", 8)] = [sample(400), sample(320), sample(480)]
+    checks = {(c.name, c.issue): c for c in throughput_checks(samples, cfg)}
+    near = checks[("dynamic / explicit loop", "5")]  # 1.25 against 1.3
+    far = checks[("dynamic / explicit loop", "3")]  # 1.25 against 1.0
+    assert near.value == pytest.approx(1.25) and near.noise == pytest.approx(0.05)
+    assert near.within_noise is True and near.met is False
+    assert far.within_noise is False and far.met is True
+    assert (
+        throughput_checks({k: v for k, v in samples.items() if "twin" not in k[1]}, cfg)[
+            0
+        ].within_noise
+        is None
+    )  # no twin, no floor

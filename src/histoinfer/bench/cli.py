@@ -174,6 +174,8 @@ def run(args: argparse.Namespace) -> int:
             value = "–" if check["value"] is None else f"{check['value']:.3f}"
             verdict = {True: "met", False: "NOT met", None: "not measured"}[check["met"]]
             sign = ">=" if check["higher_is_better"] else "<="
+            if check.get("within_noise"):
+                verdict += f" (within the ±{check['noise']:.1%} noise floor)"
             print(
                 f"  #{check['issue']} {check['name']}: {value} ({sign} {check['target']:g}) "
                 f"{verdict}"

@@ -43,6 +43,8 @@ def _checks_table(checks: list[dict[str, Any]]) -> list[str]:
         bound = ("≥ " if c["higher_is_better"] else "≤ ") + f"{c['target']:g}"
         rounds = ", ".join(f"{v:.2f}" for v in c["per_round"])
         value, met = _num(c["value"], 3), _met(c["met"])
+        if c.get("within_noise"):
+            met += f" (within the ±{c['noise']:.1%} noise floor)"
         rows.append([c["name"], f"#{c['issue']}", value, bound, rounds, met, c["detail"]])
     return _table(headers, rows)
 

@@ -179,6 +179,16 @@ class Check:
     higher_is_better: bool
     per_round: list[float]
     detail: str = ""
+    #: the run's noise floor where this ratio was measured (the twin's largest gap a round)
+    noise: float | None = None
+
+    @property
+    def within_noise(self) -> bool | None:
+        """Whether the value is within the noise floor of its target: met or not, it could be
+        chance."""
+        if self.value is None or self.noise is None:
+            return None
+        return abs(self.value - self.target) <= self.noise * self.target
 
     @property
     def met(self) -> bool | None:
@@ -187,7 +197,7 @@ class Check:
         return self.value >= self.target if self.higher_is_better else self.value <= self.target
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "met": self.met}
+        return {**asdict(self), "met": self.met, "within_noise": self.within_noise}
 
 
 #: (model, path, mode, level) -> one sample per round
@@ -218,7 +228,9 @@ def throughput_checks(samples: Samples, cfg: BenchConfig) -> list[Check]:
         detail = f"{model} model, {mode}, {cfg.tiles_at(model, level)} tiles, {level} in flight"
         if not rounds:
             detail += f" (not measured: {num} or {den} missing)"
-        checks.append(Check(name, issue, _median(rounds), target, True, rounds, detail))
+        twin = _paired(samples, model, mode, *TWIN, level)
+        noise = max(abs(1 - r) for r in twin) if twin else None
+        checks.append(Check(name, issue, _median(rounds), target, True, rounds, detail, noise))
 
     if "tiny" in cfg.models and cfg.levels:
         top = max(cfg.levels)
@@ -414,12 +426,11 @@ def noise_floor(samples: Samples, cfg: BenchConfig) -> list[dict[str, Any]]:
     """Per model and level: the twin's throughput over its original's, round by round. Two
     processes running the same code differ by this much in the same minutes; a ratio this
     close to its target says nothing either way."""
-    twin, original = TWIN
     floors = []
     for model in cfg.models:
         mode = cfg.modes_of(model)[0]
         for level in cfg.small_levels if model == "small" else cfg.levels:
-            rounds = _paired(samples, model, mode, twin, original, level)
+            rounds = _paired(samples, model, mode, *TWIN, level)
             if rounds:
                 floors.append(
                     {
