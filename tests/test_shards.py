@@ -139,14 +139,17 @@ def test_a_failing_part_fails_the_pass_only_after_every_worker_stopped(
             if int(part[0, 0, 0, 0]) == 255:  # the marked part
                 failed.set()
                 raise RuntimeError("bad part")
-            time.sleep(0.05)  # the other worker is still busy when the failure happens
+            # The first part is short, so its worker takes the third (the failing one) while
+            # the other worker is still busy with the second: the fourth is left to nobody.
+            time.sleep(0.05 if int(part[0, 0, 0, 0]) == 0 else 0.4)
         finally:
             with guard:
                 running -= 1
 
     batch = tiles(64)
     batch[:, 0, 0, 0] = 0
-    batch[32, 0, 0, 0] = 255  # first tile of the third part (parts of 16)
+    batch[16, 0, 0, 0] = 100  # first tile of the second part (parts of 16): a long one
+    batch[32, 0, 0, 0] = 255  # first tile of the third part
     model, watch = hooked_model(tiny_model, before)
 
     def run() -> None:
