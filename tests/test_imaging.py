@@ -337,3 +337,40 @@ def test_a_png_declaring_too_many_pixels_is_refused_from_its_header(mode: str) -
         warnings.simplefilter("error")  # Pillow's DecompressionBombWarning must not even fire
         with pytest.raises(InvalidRequestError, match="20000x20000, over the"):
             decode(bytes(raw))
+
+
+def _jpeg_declaring(width: int, height: int) -> bytes:
+    raw = bytearray(encode(Image.new("RGB", (32, 32)), "JPEG"))
+    sof = raw.index(b"\xff\xc0")  # baseline SOF0: length(2), precision(1), height(2), width(2)
+    raw[sof + 5 : sof + 9] = height.to_bytes(2, "big") + width.to_bytes(2, "big")
+    return bytes(raw)
+
+
+def _tiff_declaring(width: int, height: int) -> bytes:
+    raw = bytearray(encode(Image.new("RGB", (32, 32)), "TIFF"))
+    assert raw[:2] == b"II"  # little-endian, as Pillow writes it
+    ifd = int.from_bytes(raw[4:8], "little")
+    for i in range(int.from_bytes(raw[ifd : ifd + 2], "little")):
+        entry = ifd + 2 + 12 * i
+        tag, kind = (int.from_bytes(raw[entry + k : entry + k + 2], "little") for k in (0, 2))
+        if tag in (256, 257):  # ImageWidth, ImageLength; SHORT (3) or LONG (4)
+            value = width if tag == 256 else height
+            raw[entry + 8 : entry + 12] = value.to_bytes(2 if kind == 3 else 4, "little").ljust(
+                4, b"\0"
+            )
+    return bytes(raw)
+
+
+@pytest.mark.parametrize("declaring", [_jpeg_declaring, _tiff_declaring], ids=["JPEG", "TIFF"])
+def test_a_jpeg_or_tiff_declaring_too_many_pixels_is_refused_without_pillows_warning(
+    declaring: Any,
+) -> None:
+    """Over Pillow's ~89 M-pixel bomb threshold: our limit's error, and no warning first."""
+    raw = declaring(10_000, 10_000)  # 100 M pixels
+    with pytest.warns(Image.DecompressionBombWarning), Image.open(io.BytesIO(raw)) as image:
+        assert image.size == (10_000, 10_000)  # the header does declare it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(InvalidRequestError, match="10000x10000, over the"):
+            decode(raw)
+    assert decode(declaring(32, 32)).shape == (3, 32, 32)  # the same file, honest, decodes

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import binascii
 import io
+import struct
 from collections.abc import Callable
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, JpegImagePlugin, PngImagePlugin, TiffImagePlugin, UnidentifiedImageError
 
 from ..errors import InvalidRequestError
 from . import png
@@ -41,6 +42,32 @@ _OTHER_FORMATS = (
     (b"\x00\x00\x01\x00", "ICO"),
     (b"8BPS", "PSD"),
 )
+
+
+# Registered by importing them; Image.OPEN maps each format to (factory, accept).
+_PLUGINS = (JpegImagePlugin, PngImagePlugin, TiffImagePlugin)
+
+
+def _open(raw: bytes) -> Image.Image:
+    """``Image.open(formats=ACCEPTED_FORMATS)`` without Pillow's decompression-bomb check.
+
+    Image.open warns (DecompressionBombWarning) for a header declaring more than ~89 M pixels,
+    before our own, lower limit can refuse the image with its own error: a warning in the
+    caller's logs, or an exception where warnings are errors. ``warnings.catch_warnings`` is not
+    thread-safe (tiles decode on many threads), so the formats are opened here, as Image.open
+    does, and the size is checked by the caller before any pixel is decoded.
+    """
+    prefix = raw[:16]
+    for name in sorted(ACCEPTED_FORMATS):
+        factory, accept = Image.OPEN[name]
+        accepted = accept is None or accept(prefix)
+        if isinstance(accepted, str) or not accepted:  # a str: "looks like it, unsupported"
+            continue
+        try:
+            return factory(io.BytesIO(raw), "")
+        except (SyntaxError, IndexError, TypeError, struct.error):
+            continue  # not this format after all (as Image.open decides)
+    raise UnidentifiedImageError("cannot identify image file")
 
 
 def _unaccepted_format(raw: bytes) -> str:
@@ -138,12 +165,7 @@ def decode_tile(
                 return _to_tensor(torch.from_numpy(array), tile_size)
             return _resized(Image.fromarray(array), tile_size, interpolation)
     try:
-        # No warnings.catch_warnings() here: it is not thread-safe, and tiles are decoded on
-        # many threads at once (it leaked an "error" filter into the process). Our own pixel
-        # limit sits below Pillow's bomb threshold, so its warning never matters to us.
-        image = Image.open(io.BytesIO(raw), formats=sorted(ACCEPTED_FORMATS))
-    except (Image.DecompressionBombWarning, Image.DecompressionBombError):
-        raise invalid("image has too many pixels") from None
+        image = _open(raw)
     except UnidentifiedImageError:
         other = _unaccepted_format(raw)
         sent = f"a {other} image" if other else "an unrecognized format"
