@@ -229,7 +229,7 @@ def throughput_checks(samples: Samples, cfg: BenchConfig) -> list[Check]:
         if not rounds:
             detail += f" (not measured: {num} or {den} missing)"
         twin = _paired(samples, model, mode, *TWIN, level)
-        noise = max(abs(1 - r) for r in twin) if twin else None
+        noise = _largest_gap(twin) if twin else None
         checks.append(Check(name, issue, _median(rounds), target, True, rounds, detail, noise))
 
     if "tiny" in cfg.models and cfg.levels:
@@ -422,6 +422,11 @@ def run_throughput(cfg: BenchConfig, log: Log) -> dict[str, Any]:
     }
 
 
+def _largest_gap(ratios: Sequence[float]) -> float:
+    """How far from 1 the farthest of a twin's per-round ratios is: the floor's width."""
+    return max(abs(1 - r) for r in ratios)
+
+
 def noise_floor(samples: Samples, cfg: BenchConfig) -> list[dict[str, Any]]:
     """Per model and level: the twin's throughput over its original's, round by round. Two
     processes running the same code differ by this much in the same minutes; a ratio this
@@ -438,7 +443,7 @@ def noise_floor(samples: Samples, cfg: BenchConfig) -> list[dict[str, Any]]:
                         "mode": mode,
                         "concurrency": level,
                         "median": _median(rounds),
-                        "spread": max(abs(1 - r) for r in rounds),
+                        "spread": _largest_gap(rounds),
                         "per_round": rounds,
                     }
                 )
