@@ -182,6 +182,55 @@ async def test_concurrent_async_calls_run_at_batch_size_one(
     assert stats.batches == 6 and stats.samples == 6 and stats.batch_size_histogram == {1: 6}
 
 
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_a_lone_async_call_is_decoded_on_the_device_thread(
+    monkeypatch: pytest.MonkeyPatch, client: InProcessClient, model: CountingModel
+) -> None:
+    """Batch size 1 with nothing else in flight: one hop, the device's thread decodes; a bad
+    body is refused with the worker thread's message and counts as nothing; with the device
+    busy, the body is decoded in a worker thread as before."""
+    from histoinfer.clients import inprocess
+
+    decoded_on: list[str] = []
+    real_prepare = inprocess._prepare
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        decoded_on.append(threading.current_thread().name)
+        return real_prepare(*args, **kwargs)
+
+    monkeypatch.setattr(inprocess, "_prepare", watched)
+    device = client._device_thread.name
+    with anyio.fail_after(30):
+        got = await client.predict_async(make_body(1))
+        assert decoded_on == [device]
+        assert got == client.predict_batch([make_body(1)])[0]  # (decoded here, in this thread)
+        bad = make_body(2, image_data="!!! not base64 !!!")
+        with pytest.raises(InvalidRequestError) as refused:
+            await client.predict_async(bad)
+        with pytest.raises(InvalidRequestError) as worker:
+            real_prepare(model, bad, "predict")
+        assert str(refused.value) == str(worker.value)
+        stats = client.stats()["predict"]
+        assert stats.errors == 0 and stats.samples == 2  # the good call and predict_batch
+
+        decoded_on.clear()
+        device_busy = threading.Event()
+        client._device_thread.submit(device_busy.wait, 30)
+        here = threading.current_thread().name
+        async with anyio.create_task_group() as tg:
+            results: dict[int, str] = {}
+
+            async def three() -> None:
+                results[3] = await client.predict_async(make_body(3))
+
+            tg.start_soon(three)
+            await anyio.sleep(0.05)
+            device_busy.set()
+        assert len(decoded_on) == 1 and decoded_on[0] not in (device, here)  # a worker thread
+        assert results[3] == client.predict_batch([make_body(3)])[0]
+
+
 def test_predict_with_embedding_is_predict_plus_embed_from_one_pass(
     client: InProcessClient, model: CountingModel
 ) -> None:

@@ -8,11 +8,12 @@ One request's path, top to bottom:
                     -> forward + split          [the device's thread]     (_forward)
                     -> postprocess + JSON       [caller]                  (_finish)
 
-A dynamic call that finds nothing else in flight (no other call of its loop, the device idle)
-skips the decode stage: its body rides to the device's thread, which decodes it just before the
-pass (_forward_jobs). One thread hop instead of two, ~0.35 ms off a lone request, and no decoding is
-kept from overlapping a pass: there is none to overlap. (Not a body bigger than a couple of
-tiles: its decoding would hold up the passes of requests arriving meanwhile.)
+A call that finds nothing else in flight (no other call of its loop, the device idle) skips its
+decode thread (dynamic mode: the decode stage): its body rides to the device's thread, which
+decodes it just before the pass (_forward_jobs). One thread hop instead of two, ~0.35 ms off a
+lone request, and no decoding is kept from overlapping a pass: there is none to overlap. (Not a
+body bigger than a couple of tiles: its decoding would hold up the passes of requests arriving
+meanwhile.)
 
 The microservice runs this same client, so in-process and remote behave the same by construction.
 
@@ -493,13 +494,8 @@ class InProcessClient(ClosingContext):
                     wait=self._wait_for_room, timeout=self.request_timeout
                 )
                 async with reservation as slot:
-                    if (
-                        state.admitted() == 1  # this call: nothing else of this loop in flight
-                        and self._device_thread.idle
-                        and isinstance(body, (str, bytes))  # anything else is refused below
-                        and len(body) <= self._lone_body_limit
-                    ):
-                        job = _Job(body=body)  # alone: decoded on the device's thread
+                    if self._alone(body, others=state.admitted() - 1):
+                        job = _Job(body=body)  # decoded on the device's thread
                     else:  # a bad body is refused here (the decode stage returns refusals)
                         job = _Job(*await state.decoder().submit((body, mode)))
                     try:
@@ -508,24 +504,42 @@ class InProcessClient(ClosingContext):
                         raise
                     except Exception as exc:
                         raise _execution_error(job.request, exc) from exc
-                    assert job.request is not None
-                    request = job.request
             else:
-                request, tile = await anyio.to_thread.run_sync(
-                    _prepare, self.server_model, body, mode, limiter=state.prepare_limiter
-                )
+                if self._alone(body, others=state.prepare_limiter.borrowed_tokens):
+                    job = _Job(body=body)  # decoded on the device's thread
+                else:
+                    job = _Job(
+                        *await anyio.to_thread.run_sync(
+                            _prepare, self.server_model, body, mode, limiter=state.prepare_limiter
+                        )
+                    )
                 started = time.perf_counter()
                 try:
-                    [output] = await wait_future(
-                        self._device_thread.submit(_forward, self.server_model, [tile], mode)
+                    [result] = await wait_future(
+                        self._device_thread.submit(_forward_jobs, self.server_model, [job], mode)
                     )
                 except Exception as exc:
                     self._stats[mode].record_error(type(exc).__name__)
-                    raise _execution_error(request, exc) from exc
+                    raise _execution_error(job.request, exc) from exc
+                if isinstance(result, InvalidRequestError):
+                    raise result  # a lone body refused: nothing ran
                 self._stats[mode].record_batch(1, [0.0], time.perf_counter() - started)
-            return self._finish(request, output, mode)
+                output = result
+            assert job.request is not None
+            return self._finish(job.request, output, mode)
         finally:
             self._exit()
+
+    def _alone(self, body: object, others: int) -> bool:
+        """May this call skip its decode thread (module docstring)? Only with ``others`` (calls
+        of its loop in flight) at 0, the device's thread idle, and a body of a tile's size
+        (anything but str or bytes is refused by the decode step, as ever)."""
+        return (
+            others == 0
+            and self._device_thread.idle
+            and isinstance(body, (str, bytes))
+            and len(body) <= self._lone_body_limit
+        )
 
     def infer_batch(self, bodies: list[str], mode: Mode) -> list[str]:
         """Run pre-formed batch ``bodies`` in ``mode``, all or nothing; see ``predict_batch``."""
