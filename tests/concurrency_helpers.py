@@ -253,3 +253,19 @@ def join_threads(threads: Sequence[threading.Thread], timeout: float = 60.0) -> 
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
     assert not any(t.is_alive() for t in threads), "a thread hung"
+
+
+def watch_decoding(monkeypatch: Any) -> tuple[list[str], Callable[..., Any]]:
+    """Record the name of every thread that decodes a body (``clients.inprocess._prepare``,
+    whichever route the body took); returns the list and the real function."""
+    from histoinfer.clients import inprocess
+
+    names: list[str] = []
+    real = inprocess._prepare
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        names.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(inprocess, "_prepare", watched)
+    return names, real

@@ -28,6 +28,7 @@ from concurrency_helpers import (
     mode_of,
     start_calls,
     wait_until,
+    watch_decoding,
 )
 from helpers import make_body, outputs_close, request_dict
 from PIL import Image
@@ -227,14 +228,7 @@ async def test_a_lone_request_is_decoded_on_the_device_thread_in_one_hop(
     Once the device is busy, a body takes the decode stage again."""
     from histoinfer.clients import inprocess
 
-    decoded_on: list[str] = []
-    real_prepare = inprocess._prepare_or_refusal
-
-    def watched_prepare(*args: Any, **kwargs: Any) -> Any:
-        decoded_on.append(threading.current_thread().name)
-        return real_prepare(*args, **kwargs)
-
-    monkeypatch.setattr(inprocess, "_prepare_or_refusal", watched_prepare)
+    decoded_on, real_prepare = watch_decoding(monkeypatch)
     # The decode stage's chunks wait while `released` is clear (it is set until needed).
     released, entered = threading.Event(), threading.Event()
     real_chunk = inprocess._decode_chunk
@@ -256,7 +250,7 @@ async def test_a_lone_request_is_decoded_on_the_device_thread_in_one_hop(
             with pytest.raises(InvalidRequestError) as refused:
                 await client.predict_async(bad)
             with pytest.raises(InvalidRequestError) as staged:
-                inprocess._prepare(tiny_model, bad, "predict")
+                real_prepare(tiny_model, bad, "predict")
             assert str(refused.value) == str(staged.value)
         assert outputs_close(await call(client, 2), expected(tiny_model, [2])[0])
 

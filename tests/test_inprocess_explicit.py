@@ -190,16 +190,9 @@ async def test_a_lone_async_call_is_decoded_on_the_device_thread(
     """Batch size 1 with nothing else in flight: one hop, the device's thread decodes; a bad
     body is refused with the worker thread's message and counts as nothing; with the device
     busy, the body is decoded in a worker thread as before."""
-    from histoinfer.clients import inprocess
+    from concurrency_helpers import watch_decoding
 
-    decoded_on: list[str] = []
-    real_prepare = inprocess._prepare
-
-    def watched(*args: Any, **kwargs: Any) -> Any:
-        decoded_on.append(threading.current_thread().name)
-        return real_prepare(*args, **kwargs)
-
-    monkeypatch.setattr(inprocess, "_prepare", watched)
+    decoded_on, real_prepare = watch_decoding(monkeypatch)
     device = client._device_thread.name
     with anyio.fail_after(30):
         got = await client.predict_async(make_body(1))
