@@ -232,7 +232,7 @@ _LINE_PATTERNS: dict[str, tuple[tuple[str, str], ...]] = {
         ("fast.decode(", "PNG decode"),
         ("frombuffer", "tensor build"),
         ("ascontiguousarray(", "tensor build"),
-        ("Image.open", "PNG decode"),
+        ("_open(raw)", "PNG decode"),  # Pillow's open of a PNG the fast decoders don't take
         (".load()", "PNG decode"),
     ),
     "clients/inprocess.py": ((".split()", "split (.tolist)"),),

@@ -14,7 +14,10 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from PIL import Image, JpegImagePlugin, PngImagePlugin, TiffImagePlugin, UnidentifiedImageError
+from PIL import Image, UnidentifiedImageError
+
+# Imported for their side effect: each registers its format's (factory, accept) in Image.OPEN.
+from PIL import JpegImagePlugin, PngImagePlugin, TiffImagePlugin  # noqa: F401  # isort: skip
 
 from ..errors import InvalidRequestError
 from . import png
@@ -42,10 +45,6 @@ _OTHER_FORMATS = (
     (b"\x00\x00\x01\x00", "ICO"),
     (b"8BPS", "PSD"),
 )
-
-
-# Registered by importing them; Image.OPEN maps each format to (factory, accept).
-_PLUGINS = (JpegImagePlugin, PngImagePlugin, TiffImagePlugin)
 
 
 def _open(raw: bytes) -> Image.Image:
