@@ -8,7 +8,8 @@ Runs four worker processes, two per version, each holding a dynamic and an expli
 ``InProcessClient`` of the tiny reference model, and asks them in turn, round after round, to
 measure: ``dynamic`` (512 bodies at once, ``predict_async``, asyncio), ``explicit``
 (``predict_batch`` over chunks of 64) and ``lone`` (p50 ms of 100 single requests, 2 ms apart;
-``--bodies`` and ``--lone-calls`` change the counts).
+``--bodies`` and ``--lone-calls`` change the counts); on request (``--measure``), ``dynamic-8``
+(the bodies with 8 in flight) and ``bs1`` (all at once, ``dynamic_batching=False``).
 Prints each version's median and B / A.
 
 Why this shape (docs/benchmarks.md, "Session 6"): the machine's load drifts by 2x within
@@ -30,6 +31,7 @@ import time
 from pathlib import Path
 
 MEASURES = ("dynamic", "explicit", "lone")
+EXTRA_MEASURES = ("dynamic-8", "bs1")
 
 
 def worker(checkpoint: str, bodies_file: str, lone_calls: str) -> None:
@@ -45,10 +47,23 @@ def worker(checkpoint: str, bodies_file: str, lone_calls: str) -> None:
     dynamic = InProcessClient(model)
     explicit = InProcessClient(model, dynamic_batching=False)
 
-    async def all_at_once() -> None:
+    bs1 = InProcessClient(model, dynamic_batching=False)
+
+    async def all_at_once(client: InProcessClient = dynamic) -> None:
         async with anyio.create_task_group() as group:
             for body in bodies:
-                group.start_soon(dynamic.predict_async, body)
+                group.start_soon(client.predict_async, body)
+
+    async def in_flight(count: int) -> None:
+        queue = iter(bodies)
+
+        async def caller() -> None:
+            for body in queue:
+                await dynamic.predict_async(body)
+
+        async with anyio.create_task_group() as group:
+            for _ in range(count):
+                group.start_soon(caller)
 
     def chunks() -> None:
         for start in range(0, len(bodies), 64):
@@ -64,6 +79,7 @@ def worker(checkpoint: str, bodies_file: str, lone_calls: str) -> None:
         return statistics.median(latencies) * 1e3
 
     anyio.run(all_at_once)
+    anyio.run(all_at_once, bs1)
     chunks()
     anyio.run(lone)
     gc.collect()
@@ -74,6 +90,12 @@ def worker(checkpoint: str, bodies_file: str, lone_calls: str) -> None:
         started, cpu = time.perf_counter(), time.process_time()
         if what == "dynamic":
             anyio.run(all_at_once)
+            value = len(bodies) / (time.perf_counter() - started)
+        elif what == "dynamic-8":
+            anyio.run(in_flight, 8)
+            value = len(bodies) / (time.perf_counter() - started)
+        elif what == "bs1":
+            anyio.run(all_at_once, bs1)
             value = len(bodies) / (time.perf_counter() - started)
         elif what == "explicit":
             chunks()
@@ -87,6 +109,7 @@ def worker(checkpoint: str, bodies_file: str, lone_calls: str) -> None:
         print(json.dumps({"value": value, "cpu_ms": cpu_ms}), flush=True)
     dynamic.close()
     explicit.close()
+    bs1.close()
 
 
 def main() -> None:
@@ -94,7 +117,9 @@ def main() -> None:
     parser.add_argument("--a", required=True, help="version A's src/ folder (the baseline)")
     parser.add_argument("--b", required=True, help="version B's src/ folder")
     parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--measure", default=",".join(MEASURES), help=",".join(MEASURES))
+    parser.add_argument(
+        "--measure", default=",".join(MEASURES), help=",".join(MEASURES + EXTRA_MEASURES)
+    )
     parser.add_argument("--bodies", type=int, default=512, help="bodies a measurement sends")
     parser.add_argument("--lone-calls", type=int, default=100, help="calls per lone")
     parser.add_argument("--workdir", type=Path, default=None, help="bench cache dir")
@@ -104,7 +129,7 @@ def main() -> None:
         worker(*args.worker)
         return
     measures = args.measure.split(",")
-    if unknown := set(measures) - set(MEASURES):
+    if unknown := set(measures) - set(MEASURES + EXTRA_MEASURES):
         parser.error(f"unknown measure(s): {', '.join(sorted(unknown))}")
 
     from histoinfer.bench.runner import default_workdir, ensure_checkpoint, load_bodies
@@ -150,14 +175,14 @@ def main() -> None:
             process.stdin.write("quit\n")
             process.stdin.close()
             process.wait(timeout=60)
-    unit = {"dynamic": "tiles/s", "explicit": "tiles/s", "lone": "ms p50"}
+    unit = {"lone": "ms p50"}
     print(f"A = {args.a}\nB = {args.b}\n")
     print("| measure | A | B | B / A | CPU ms a tile, A → B |\n|---|---|---|---|---|")
     for what in measures:
         a, b = (statistics.median(values[(what, name)]) for name in "AB")
         cpu_a, cpu_b = (statistics.median(cpu[(what, name)]) for name in "AB")
         print(
-            f"| {what} ({unit[what]}) | {a:.2f} | {b:.2f} | {b / a:.3f} | "
+            f"| {what} ({unit.get(what, 'tiles/s')}) | {a:.2f} | {b:.2f} | {b / a:.3f} | "
             f"{cpu_a:.2f} → {cpu_b:.2f} |"
         )
 

@@ -20,7 +20,7 @@ from histoinfer import InProcessClient, ServerModel
 from histoinfer.batching import BatchScheduler, wait_future
 from histoinfer.clients.cores import CoreShare
 from histoinfer.clients.inprocess import _forward, _prepare
-from histoinfer.models import build_server_model
+from histoinfer.models import build_server_model, shards
 from histoinfer.models.device_thread import (
     DeviceThread,
     device_key,
@@ -244,6 +244,27 @@ def test_a_loaded_cpu_forward_pass_leaves_the_decoders_their_cores(
         worker.call(_forward, model, [tile], "predict", share, lambda v=loaded: v)
     assert threads == [max(1, full - 1), full]  # a lone pass gets every core
     assert worker.call(torch.get_num_threads) == full  # restored for the next pass
+
+
+def test_a_loaded_sharded_pass_is_recorded(tiny_model: ServerModel) -> None:
+    """A sharded pass keeps its workers (one thread each), but its cost is what a later small
+    pass of the same burst weighs leaving a core against: without it, a burst whose passes are
+    all sharded would never know the forward pass's cost."""
+    worker = device_thread("cpu")
+    full = worker.call(torch.get_num_threads)
+    if not shards.available(tiny_model, full):
+        pytest.skip("passes are not sharded on this machine")
+    threads: list[int] = []
+    model, _ = hooked_model(tiny_model, lambda batch: threads.append(torch.get_num_threads()))
+    size = tiny_model.assets.tile_size
+    tiles = [torch.zeros(3, size, size, dtype=torch.uint8)] * (2 * shards.MIN_PART_TILES)
+    share = CoreShare(decode_threads=1)
+    worker.call(_forward, model, tiles, "predict", share, lambda: False)
+    assert share._forward.per_tile() is None  # not loaded: nothing learned
+    worker.call(_forward, model, tiles, "predict", share, lambda: True)
+    per_tile = share._forward.per_tile()
+    assert per_tile is not None and per_tile > 0
+    assert set(threads) == {1}  # every part on a single-threaded worker, both times
 
 
 def _os_threads() -> int:

@@ -184,6 +184,54 @@ async def test_concurrent_async_calls_run_at_batch_size_one(
 
 @pytest.mark.anyio
 @pytest.mark.timeout(60)
+async def test_a_pass_while_other_calls_decode_leaves_them_their_cores(
+    monkeypatch: pytest.MonkeyPatch, tiny_model: ServerModel
+) -> None:
+    """Batch size 1 under load: a pass that runs while another call of its loop is being
+    decoded leaves the decoders their cores, as a dynamic client's small passes do (an OpenMP
+    team beside busy decoders is several times slower); with nothing being decoded, a pass
+    gets every thread."""
+    from concurrency_helpers import hooked_model, wait_until
+
+    from histoinfer.clients import inprocess
+    from histoinfer.models.openmp import per_thread_counts_supported
+
+    if not per_thread_counts_supported():
+        pytest.skip("torch's OpenMP runtime here is not libgomp: per-thread counts unsupported")
+    threads: list[int] = []
+    model, _ = hooked_model(tiny_model, lambda batch: threads.append(torch.get_num_threads()))
+    real_prepare = inprocess._prepare
+    held, released = threading.Event(), threading.Event()
+
+    def gated_prepare(*args: Any, **kwargs: Any) -> Any:
+        if json.loads(args[1])["patch_idx"] == 1:  # body 1 is held in its worker thread
+            held.set()
+            released.wait(30)
+        return real_prepare(*args, **kwargs)
+
+    monkeypatch.setattr(inprocess, "_prepare", gated_prepare)
+    with InProcessClient(model, dynamic_batching=False) as client, anyio.fail_after(30):
+        full = client._device_thread.call(torch.get_num_threads)
+        results: dict[int, str] = {}
+
+        async def run(i: int) -> None:
+            results[i] = await client.predict_async(make_body(i))
+
+        device_busy = threading.Event()  # so that body 1 takes a worker thread
+        client._device_thread.submit(device_busy.wait, 30)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, 1)
+            await wait_until(held.is_set)
+            device_busy.set()
+            await run(2)  # decoded and run while body 1 is still being decoded
+            released.set()
+        assert threads == [max(1, full - 1), full]
+        for i in (1, 2):  # (a pass on fewer threads adds up in another order: close, not equal)
+            assert outputs_close(results[i], client.predict_batch([make_body(i)])[0])
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
 async def test_a_lone_async_call_is_decoded_on_the_device_thread(
     monkeypatch: pytest.MonkeyPatch, client: InProcessClient, model: CountingModel
 ) -> None:

@@ -16,13 +16,17 @@ are on their way (the pipeline is loaded) and ``F * k / (t - k) <= 3 D``: the ti
 cores (F ~1 ms, D ~1.4 ms) leaves one; ViT-S (F ~45 ms) never does; a 16-core box leaves one
 core while ``F <= 45 D``. A lone request always gets every core.
 
-Both costs are measured as the client runs, under load only (loaded forward passes, decode
-chunks of bodies that queued up: a lone request on an idle machine is faster than either), as
-decaying, tile-weighted averages of wall time; nothing is left before both are known, so the
-choice follows the model and the machine. Wall
-times under load include the contention itself, which favours what is already being done: a
-loaded tiny model measured F ~2.5-3 and D ~1.2-2 ms while not leaving (hence the slack of 3);
-once leaving, F ~1.0-1.3.
+Both costs are measured as the client runs, under load only (loaded forward passes, sharded
+ones included, and decode chunks of bodies that queued up: a lone request on an idle machine
+is faster than either), as decaying, tile-weighted averages of wall time, so the choice follows
+the model and the machine. Until both are known, cores are left: a pass on ``t - k`` threads
+costs at most ``t / (t - k)`` of its time, while an OpenMP team beside busy decoders costs far
+more: on 2 cores, a pass of 1-15 tiles of the tiny model took 3-4.5x as long on both threads as
+on one beside two busy threads (14 against 5 ms for one tile, 115 against 26 for 15), and the
+first pass of a burst, one tile, 58-208 ms (docs/benchmarks.md, "Session 8"). Wall times under
+load include the contention itself, which favours what is already being done: a loaded tiny
+model measured F ~2.5-3 and D ~1.2-2 ms while not leaving (hence the slack of 3); once
+leaving, F ~1.0-1.3.
 """
 
 from __future__ import annotations
@@ -71,14 +75,15 @@ class CoreShare:
 
     def cores_to_leave(self, all_threads: int) -> int:
         """Threads a loaded forward pass (requests are on their way: queued for the next batch,
-        or still being decoded) should leave free. A lone pass is not asked: it gets them all."""
+        or still being decoded) should leave free. A lone pass is not asked: it gets them all.
+        Until both costs are known, the decoders' cores (module docstring)."""
         leave = min(self.decode_threads, all_threads - 1)
         if leave <= 0:
             return 0
         with self._lock:
             forward, decode = self._forward.per_tile(), self._decode.per_tile()
         if forward is None or decode is None:
-            return 0
+            return leave
         return leave if forward * leave / (all_threads - leave) <= _SLACK * decode else 0
 
 

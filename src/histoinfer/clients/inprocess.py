@@ -90,25 +90,26 @@ def _forward(
 
     A big enough batch on a small CPU box runs as shards on single-threaded workers, which
     leave the decoders their share of the cores by themselves (models/shards.py). Other passes
-    with ``share`` (dynamic batching on a CPU device): while ``loaded()`` says requests are on
-    their way, the pass may run on fewer threads to leave cores to the decoders, and its
-    duration is recorded there (clients/cores.py).
+    with ``share`` (a CPU device): while ``loaded()`` says requests are on their way, the pass
+    may run on fewer threads to leave cores to the decoders (clients/cores.py). Every loaded
+    pass, sharded or not, records its duration there.
 
     A function of the model, not a method of the client: schedulers hold it for their loop's
     lifetime, and must not keep the client alive.
     """
     all_threads = threads = torch.get_num_threads()
-    sharded = shards.plan(model, len(tiles), all_threads)[0] > 1
-    if sharded or share is None or loaded is None or model.device.type != "cpu" or not loaded():
-        share = None  # sharded, idle, or not a CPU: every thread, and nothing to learn from
-    if share is not None:
+    workers = shards.plan(model, len(tiles), all_threads)[0]
+    if share is None or loaded is None or model.device.type != "cpu" or not loaded():
+        share = None  # idle, or not a CPU: every thread, and nothing to learn from
+    elif workers == 1:
         threads -= share.cores_to_leave(all_threads)
     # Filling the batch too: a parallel copy wakes the OpenMP workers, which then spin a while.
     with thread_count(threads if threads != all_threads else None):
         started = time.perf_counter()
         output = shards.forward(model, tiles, mode)
     if share is not None:
-        share.record_forward(len(tiles), time.perf_counter() - started, threads, all_threads)
+        used = workers if workers > 1 else threads  # a sharded pass: one thread per worker
+        share.record_forward(len(tiles), time.perf_counter() - started, used, all_threads)
     samples = output.split()
     if len(samples) != len(tiles):
         raise RuntimeError(f"the forward pass returned {len(samples)} rows for {len(tiles)} tiles")
@@ -181,21 +182,31 @@ def _prepare_or_refusal(
 
 
 def _decode_chunk(
-    model: ServerModel, share: CoreShare, jobs: list[tuple[str | bytes, Mode]]
+    model: ServerModel,
+    share: CoreShare,
+    jobs: list[tuple[str | bytes, Mode]],
+    loaded: bool = False,
 ) -> list[Decoded]:
     """The decode stage's batch function: one body's bad input must not fail its neighbours,
     so refusals are returned, not raised: the scheduler raises each to its own caller
     (anything else raised is a bug, and is bisected).
 
-    A chunk of several bodies (they queued up: the pipeline is loaded) records its duration in
-    ``share``, what a loaded forward pass weighs leaving cores against; a lone body decodes on
-    an idle machine, faster than under load, and is not counted (nor are lone forward passes).
+    A chunk of several bodies (they queued up: the pipeline is loaded), or one decoded beside
+    others (``loaded``: a batch-size-1 call), records its duration in ``share``, what a loaded
+    forward pass weighs leaving cores against; a lone body decodes on an idle machine, faster
+    than under load, and is not counted (nor are lone forward passes).
     """
     started = time.perf_counter()
     decoded = [_prepare_or_refusal(model, body, mode) for body, mode in jobs]
-    if len(jobs) > 1:
+    if len(jobs) > 1 or loaded:
         share.record_decode(len(jobs), time.perf_counter() - started)
     return decoded
+
+
+def _decoding(limiter: anyio.CapacityLimiter) -> bool:
+    """Are calls being decoded under ``limiter`` (a batch-size-1 client's loop)? Asked on the
+    device's thread: a hint, read without the loop (a length, atomic under the GIL)."""
+    return limiter.borrowed_tokens > 0
 
 
 class _LoopState:
@@ -505,18 +516,31 @@ class InProcessClient(ClosingContext):
                     except Exception as exc:
                         raise _execution_error(job.request, exc) from exc
             else:
-                if self._alone(body, others=state.prepare_limiter.borrowed_tokens):
+                limiter = state.prepare_limiter
+                others = limiter.borrowed_tokens  # calls of this loop being decoded
+                if self._alone(body, others=others):
                     job = _Job(body=body)  # decoded on the device's thread
                 else:
-                    job = _Job(
-                        *await anyio.to_thread.run_sync(
-                            _prepare, self.server_model, body, mode, limiter=state.prepare_limiter
-                        )
+                    [decoded] = await anyio.to_thread.run_sync(
+                        _decode_chunk,
+                        self.server_model,
+                        self._cores,
+                        [(body, mode)],
+                        others > 0,  # beside other decodes: a loaded decode, worth recording
+                        limiter=limiter,
                     )
+                    if isinstance(decoded, InvalidRequestError):
+                        raise decoded
+                    job = _Job(*decoded)
                 started = time.perf_counter()
+                # Loaded while other calls are being decoded: then the pass leaves them their
+                # cores, as a dynamic client's does (clients/cores.py).
+                loaded = partial(_decoding, limiter)
                 try:
                     [result] = await wait_future(
-                        self._device_thread.submit(_forward_jobs, self.server_model, [job], mode)
+                        self._device_thread.submit(
+                            _forward_jobs, self.server_model, [job], mode, self._cores, loaded
+                        )
                     )
                 except Exception as exc:
                     self._stats[mode].record_error(type(exc).__name__)
