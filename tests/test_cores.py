@@ -18,7 +18,7 @@ def share_with(forward_ms: float, decode_ms: float, decode_threads: int = 1) -> 
 
 
 def test_the_decoders_cores_are_left_until_both_costs_are_known() -> None:
-    # An OpenMP team beside busy decoders is the expensive mistake (3-40x on 2 cores); a pass
+    # An OpenMP team beside busy decoders is the expensive mistake (3-4.5x on 2 cores); a pass
     # on fewer threads costs at most threads / (threads - left).
     assert CoreShare(1).cores_to_leave(all_threads=2) == 1
     assert CoreShare(3).cores_to_leave(all_threads=8) == 3
