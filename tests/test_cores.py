@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import threading
+
 from concurrency_helpers import body
 
 from histoinfer import ServerModel
 from histoinfer.clients.cores import CoreShare
 from histoinfer.clients.inprocess import _decode_chunk
 from histoinfer.errors import InvalidRequestError
+from histoinfer.models.device_thread import device_thread
 
 
 def share_with(forward_ms: float, decode_ms: float, decode_threads: int = 1) -> CoreShare:
@@ -77,11 +80,28 @@ def test_only_decode_chunks_of_queued_bodies_are_counted(tiny_model: ServerModel
     assert per_tile is not None and 0 < per_tile < 1.0
 
 
-def test_a_body_decoded_beside_others_is_counted(tiny_model: ServerModel) -> None:
-    """A batch-size-1 call decodes one body at a time; one decoded while other calls were
-    being decoded is a loaded decode."""
+def test_a_body_decoded_while_the_device_runs_a_pass_is_counted(tiny_model: ServerModel) -> None:
+    """At 2 in flight (or batch size 1) every chunk is one body; one that decodes while a pass
+    runs is a loaded decode. Without it a heavy model's decode cost would stay unknown, and its
+    loaded passes would leave a core for good."""
     share = CoreShare(1)
-    [decoded] = _decode_chunk(tiny_model, share, [(body(0), "predict")], loaded=True)
+    busy, release = threading.Event(), threading.Event()
+
+    def a_pass() -> None:
+        busy.set()
+        release.wait(30)
+
+    device = device_thread(tiny_model.device)
+    running = device.submit(a_pass)
+    try:
+        assert busy.wait(30)
+        [decoded] = _decode_chunk(tiny_model, share, [(body(0), "predict")])
+    finally:
+        release.set()
+        running.result(30)
     assert not isinstance(decoded, InvalidRequestError)
     per_tile = share._decode.per_tile()
     assert per_tile is not None and 0 < per_tile < 1.0
+    # Known costs decide: a pass 45x a decode keeps every core.
+    share.record_forward(10, 10 * 45 * per_tile, threads=2, all_threads=2)
+    assert share.cores_to_leave(2) == 0

@@ -182,23 +182,22 @@ def _prepare_or_refusal(
 
 
 def _decode_chunk(
-    model: ServerModel,
-    share: CoreShare,
-    jobs: list[tuple[str | bytes, Mode]],
-    loaded: bool = False,
+    model: ServerModel, share: CoreShare, jobs: list[tuple[str | bytes, Mode]]
 ) -> list[Decoded]:
     """The decode stage's batch function: one body's bad input must not fail its neighbours,
     so refusals are returned, not raised: the scheduler raises each to its own caller
     (anything else raised is a bug, and is bisected).
 
-    A chunk of several bodies (they queued up: the pipeline is loaded), or one decoded beside
-    others (``loaded``: a batch-size-1 call), records its duration in ``share``, what a loaded
-    forward pass weighs leaving cores against; a lone body decodes on an idle machine, faster
-    than under load, and is not counted (nor are lone forward passes).
+    A loaded decode records its duration in ``share``, what a loaded forward pass weighs
+    leaving cores against: a chunk of several bodies (they queued up), or any decode that
+    starts while the device runs a pass (at 2 in flight every chunk is one body: without
+    these, a heavy model's decode cost would never be known). A lone body on an idle machine
+    decodes faster than under load, and is not counted (nor are lone forward passes).
     """
+    loaded = len(jobs) > 1 or not device_thread(model.device).idle
     started = time.perf_counter()
     decoded = [_prepare_or_refusal(model, body, mode) for body, mode in jobs]
-    if len(jobs) > 1 or loaded:
+    if loaded:
         share.record_decode(len(jobs), time.perf_counter() - started)
     return decoded
 
@@ -517,8 +516,7 @@ class InProcessClient(ClosingContext):
                         raise _execution_error(job.request, exc) from exc
             else:
                 limiter = state.prepare_limiter
-                others = limiter.borrowed_tokens  # calls of this loop being decoded
-                if self._alone(body, others=others):
+                if self._alone(body, others=limiter.borrowed_tokens):
                     job = _Job(body=body)  # decoded on the device's thread
                 else:
                     [decoded] = await anyio.to_thread.run_sync(
@@ -526,7 +524,6 @@ class InProcessClient(ClosingContext):
                         self.server_model,
                         self._cores,
                         [(body, mode)],
-                        others > 0,  # beside other decodes: a loaded decode, worth recording
                         limiter=limiter,
                     )
                     if isinstance(decoded, InvalidRequestError):
