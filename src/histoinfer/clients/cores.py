@@ -17,8 +17,8 @@ cores (F ~1 ms, D ~1.4 ms) leaves one; ViT-S (F ~45 ms) never does; a 16-core bo
 core while ``F <= 45 D``. A lone request always gets every core.
 
 Both costs are measured as the client runs, under load only (loaded forward passes, sharded
-ones included, and decode chunks of bodies that queued up: a lone request on an idle machine
-is faster than either), as decaying, tile-weighted averages of wall time, so the choice follows
+ones included; decode chunks of bodies that queued up, and decodes that start while the device
+runs a pass: a lone request on an idle machine is faster than either), as decaying, tile-weighted averages of wall time, so the choice follows
 the model and the machine. Until both are known, cores are left: a pass on ``t - k`` threads
 costs at most ``t / (t - k)`` of its time, while an OpenMP team beside busy decoders costs far
 more: on 2 cores, a pass of 1-15 tiles of the tiny model took 3-4.5x as long on both threads as
