@@ -152,28 +152,65 @@ async def test_wait_future_returns_what_another_thread_completes() -> None:
 
 
 @pytest.mark.anyio
-async def test_a_cancelled_waiter_still_gets_the_running_result_then_the_cancellation() -> None:
+async def test_a_waiter_cancelled_before_its_job_starts_cancels_it() -> None:
+    """Behind another job on a busy thread: the cancelled caller leaves at once, and its job
+    never runs."""
     worker = DeviceThread("test-device")
     release = threading.Event()
-    got: list[str] = []
-    future = worker.submit(lambda: "result" if release.wait(10) else "timed out")
-    scope = anyio.CancelScope()
-
-    async def waiter() -> None:
-        with scope:
-            got.append(await wait_future(future))
-            await anyio.sleep(5)  # the next checkpoint takes the cancellation
-            got.append("not cancelled")
-
+    ran: list[str] = []
+    worker.submit(release.wait, 10)  # the thread is busy
+    future = worker.submit(ran.append, "ran")
     with anyio.fail_after(10):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(waiter)
-            await anyio.sleep(0.05)
-            scope.cancel()
-            await anyio.sleep(0.05)
-            assert got == []  # still waiting: the job is running
-            release.set()
-    assert got == ["result"] and scope.cancelled_caught
+        with anyio.move_on_after(0.05) as scope:
+            await wait_future(future)
+        assert scope.cancelled_caught and future.cancelled()
+        release.set()
+        await anyio.to_thread.run_sync(worker.call, lambda: None)  # the queue has drained
+    assert ran == []
+
+
+@pytest.mark.anyio
+async def test_a_waiter_cancelled_while_its_job_runs_leaves_at_once() -> None:
+    """The job completes without it (a thread cannot be interrupted mid-job)."""
+    worker = DeviceThread("test-device")
+    release, started = threading.Event(), threading.Event()
+
+    def job() -> str:
+        started.set()
+        return "result" if release.wait(10) else "timed out"
+
+    future = worker.submit(job)
+    with anyio.fail_after(10):
+        await anyio.to_thread.run_sync(started.wait, 10)
+        with anyio.move_on_after(0.05) as scope:
+            await wait_future(future)
+        assert scope.cancelled_caught and not future.done()
+        release.set()
+        assert await wait_future(future) == "result"
+
+
+@pytest.mark.anyio
+async def test_wait_future_start_by_times_out_only_a_job_not_yet_started() -> None:
+    worker = DeviceThread("test-device")
+    release, started = threading.Event(), threading.Event()
+    ran: list[str] = []
+
+    def slow() -> str:
+        started.set()
+        release.wait(10)
+        return "slow"
+
+    first = worker.submit(slow)
+    second = worker.submit(ran.append, "second")
+    with anyio.fail_after(10):
+        await anyio.to_thread.run_sync(started.wait, 10)
+        with pytest.raises(TimeoutError):
+            await wait_future(second, start_by=time.perf_counter() + 0.05)
+        assert second.cancelled()
+        # Started in time: waited for to the end, however long it takes.
+        threading.Timer(0.1, release.set).start()
+        assert await wait_future(first, start_by=time.perf_counter()) == "slow"
+    assert ran == []
 
 
 @pytest.mark.anyio

@@ -11,6 +11,7 @@ import io
 import json
 import random
 import threading
+import time
 import warnings
 from typing import Any
 
@@ -481,3 +482,29 @@ def test_loops_that_used_fewer_decoders_than_allowed_leave_nothing_unclosed(
                 anyio.run(lone, backend=backend)
         gc.collect()
     assert not [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "batch-size-1"])
+async def test_a_call_waiting_for_a_busy_device_meets_its_deadline_and_its_cancellation(
+    tiny_model: ServerModel, dynamic: bool
+) -> None:
+    """The device's thread busy with other work (another client's pass, a big ``*_batch``):
+    ``request_timeout`` fails a call at its deadline, and a cancelled call leaves at once; in
+    both cases its tile never reaches the model. Both modes."""
+    model, watch = hooked_model(tiny_model)
+    with InProcessClient(model, dynamic_batching=dynamic, request_timeout=0.2) as client:
+        with anyio.fail_after(30):
+            release = threading.Event()
+            client._device_thread.submit(release.wait, 20)
+            started = time.perf_counter()
+            with pytest.raises(DeadlineExceededError, match="within its deadline"):
+                await client.predict_async(body(0))
+            assert time.perf_counter() - started < 5  # at its deadline, not when the device frees
+            with anyio.move_on_after(0.05) as scope:
+                await client.predict_async(body(1))
+            assert scope.cancelled_caught
+            release.set()
+            assert outputs_close(await call(client, 3), expected(tiny_model, [3])[0])
+        assert watch.calls == 1  # only the last call reached the model
+        assert client.stats()["predict"].error_kinds == {"deadline": 1}

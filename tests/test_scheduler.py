@@ -26,6 +26,7 @@ from histoinfer.errors import (
     InferenceError,
     OverloadedError,
 )
+from histoinfer.models.device_thread import DeviceThread
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 
@@ -456,6 +457,57 @@ async def test_a_request_not_dispatched_by_its_deadline_fails_clearly() -> None:
     assert 2 not in fn.seen()
     snap = sched.stats.snapshot()
     assert snap.error_kinds == {"deadline": 1} and snap.queue_depth == 0
+
+
+async def test_a_batch_waiting_for_a_busy_thread_runs_without_those_whose_deadline_passed() -> None:
+    """Dispatched to a thread busy with other work (e.g. another client's pass on a shared
+    device), an item has not reached the batch function: its caller fails at its deadline,
+    not when the thread gets to it, and the batch runs without it."""
+    worker = DeviceThread("test-busy-device")
+    release = threading.Event()
+    results: dict[int, Any] = {}
+    fn = HeldBatchFn(held=False)
+    sched = BatchScheduler(fn, max_batch_size=8, thread=worker.submit)
+    with anyio.fail_after(10):
+        worker.submit(release.wait, 10)  # someone else's job holds the thread
+        async with anyio.create_task_group() as tg:
+            spawn_submit(tg, sched.submit, 1, results, timeout=0.05)
+            spawn_submit(tg, sched.submit, 2, results)
+            await wait_until(lambda: 1 in results)  # long before the thread is free
+            assert fn.calls == 0 and sched.queue_depth == 0  # dispatched, not started
+            release.set()
+    assert isinstance(results[1], DeadlineExceededError)
+    assert "waiting for its thread" in str(results[1])
+    assert results[2] == 20 and fn.batches == [[2]]
+    snap = sched.stats.snapshot()
+    assert snap.samples == 1 and snap.error_kinds == {"deadline": 1}
+
+
+async def test_a_caller_cancelled_while_its_batch_waits_for_its_thread_is_left_out() -> None:
+    worker = DeviceThread("test-busy-device")
+    release = threading.Event()
+    results: dict[int, Any] = {}
+    fn = HeldBatchFn(held=False)
+    sched = BatchScheduler(fn, max_batch_size=8, thread=worker.submit)
+    scope = anyio.CancelScope()
+    left = anyio.Event()
+
+    async def doomed() -> None:
+        with scope:
+            results[1] = await sched.submit(1)
+        left.set()
+
+    with anyio.fail_after(10):
+        worker.submit(release.wait, 10)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(doomed)
+            spawn_submit(tg, sched.submit, 2, results)
+            await wait_until(lambda: sched.queue_depth == 0 and sched.admitted == 2)
+            scope.cancel()
+            await left.wait()  # at once, with the thread still busy
+            release.set()
+    assert results == {2: 20} and fn.batches == [[2]]
+    assert sched.stats.snapshot().cancelled == 1
 
 
 async def test_the_deadline_also_bounds_the_wait_for_room() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Generic, TypeVar
@@ -58,20 +59,31 @@ def call_soon_in_loop(key: object, fn: Callable[[], object]) -> bool:
     return True
 
 
-async def wait_future(future: Future[R]) -> R:
+async def wait_future(future: Future[R], *, start_by: float | None = None) -> R:
     """The result of a ``concurrent.futures.Future`` that another thread completes.
 
-    No worker thread waits for it: the thread that completes it wakes this loop directly. Like
-    ``anyio.to_thread.run_sync``, it is not abandoned when the caller is cancelled: the caller
-    waits for the result (the work is already running) and gets it; the cancellation is
-    delivered at its next checkpoint, so a result is never lost to it.
+    No worker thread waits for it: the thread that completes it wakes this loop directly.
+    A caller cancelled while the work still waits for its thread cancels it (``Future.cancel``:
+    it never runs, e.g. behind another job on a busy device); one cancelled while it runs
+    leaves at once, and the work completes without it.
+
+    ``start_by`` (a ``time.perf_counter()`` time): if the work has not started by then, it is
+    cancelled and :class:`TimeoutError` raised; once started, it is waited for to the end.
     """
     if not future.done():
         key = current_loop_key()
         done = anyio.Event()
         future.add_done_callback(lambda _: call_soon_in_loop(key, done.set))
-        with anyio.CancelScope(shield=True):
+        try:
+            if start_by is not None:
+                with anyio.move_on_after(start_by - time.perf_counter()):
+                    await done.wait()
+                if not future.done() and future.cancel():
+                    raise TimeoutError("the work did not start in time")
             await done.wait()
+        except BaseException:
+            future.cancel()  # not started: it never will (a running one completes unseen)
+            raise
     return future.result()
 
 

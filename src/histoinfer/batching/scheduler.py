@@ -22,7 +22,9 @@ How it works (``docs/batching.md`` has the reasons and a sequence diagram):
   the runner, before it waits for anything): woken first, they would run before the next batch
   is handed over, and the device would idle meanwhile.
 * A caller cancelled while queued marks its pending abandoned and the runner skips it; one
-  cancelled while its batch runs just leaves, and the batch completes for the others.
+  whose batch still waits for its thread (busy with other work) is left out of it when it
+  starts; one cancelled while its batch runs just leaves, and the batch completes for the
+  others. A deadline is the same: an item that has not started by then never runs.
 * A batch function that raises is bisected, so only the failing items get the exception. One
   that returns an exception as an item's result (a refused item) has it raised to that caller
   alone; a refused item is not counted as a sample of the batch.
@@ -38,6 +40,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
@@ -62,7 +65,13 @@ log = logging.getLogger("histoinfer.batching")
 T = TypeVar("T")
 R = TypeVar("R")
 
-_QUEUED, _RUNNING, _DONE, _ABANDONED = range(4)
+# QUEUED -> DISPATCHED (handed to the batch function's thread) -> RUNNING (the batch function
+# has it) -> DONE; a caller may leave (ABANDONED) until its item is RUNNING.
+_QUEUED, _DISPATCHED, _RUNNING, _DONE, _ABANDONED = range(5)
+
+
+class _Left(Exception):
+    """The result of an item whose caller left before its batch started (never run)."""
 
 
 class _Pending(Generic[T, R]):
@@ -198,6 +207,9 @@ class BatchScheduler(Generic[T, R]):
         self._runner: asyncio.Task[None] | None = None
         self._finished: anyio.Event | None = None
         self._handoff: _Handoff[T, R] | None = None  # the last batch, callers not yet woken
+        # Guards DISPATCHED -> RUNNING (the batch function's thread) against DISPATCHED ->
+        # ABANDONED (a caller leaving): an item is either run or left, never both.
+        self._start_lock = threading.Lock()
 
     # -- public ---------------------------------------------------------------------------
 
@@ -205,8 +217,9 @@ class BatchScheduler(Generic[T, R]):
         """Queue ``item`` and return its result from the batch function.
 
         ``timeout`` is a dispatch deadline in seconds, counted from this call: if the item has
-        not reached the batch function by then (waiting for room included), it never will, and
-        :class:`DeadlineExceededError` is raised (once dispatched, it runs to completion).
+        not reached the batch function by then (waiting for room, and for a thread busy with
+        other work, included), it never will, and :class:`DeadlineExceededError` is raised
+        (once it has, it runs to completion).
         ``wait=False`` raises :class:`OverloadedError` instead of waiting for room.
         """
         deadline = _deadline(timeout)
@@ -343,15 +356,31 @@ class BatchScheduler(Generic[T, R]):
                 if pending.state == _QUEUED:
                     self._abandon(pending)
                     raise self._deadline_exceeded(f"{self._queued} other requests still queued")
-                await pending.done.wait()  # dispatched in time: it runs to completion
+                if self._leave_dispatched(pending):
+                    raise self._deadline_exceeded("its batch was still waiting for its thread")
+                await pending.done.wait()  # started in time: it runs to completion
         except BaseException:
-            if pending.state == _QUEUED:  # cancelled while queued: leave before dispatch
+            # Cancelled before its batch started: leave, and it never runs.
+            if pending.state == _QUEUED:
                 self._abandon(pending)
+                self._count(self.stats.record_cancelled)
+            elif self._leave_dispatched(pending):
                 self._count(self.stats.record_cancelled)
             raise
         if pending.error is not None:
             raise pending.error
         return pending.result  # type: ignore[return-value]
+
+    def _leave_dispatched(self, pending: _Pending[T, R]) -> bool:
+        """Abandon ``pending`` if its batch is waiting for its thread (e.g. behind another job
+        on a busy device): the batch then runs without it. False once it has started."""
+        if pending.state != _DISPATCHED:
+            return False
+        with self._start_lock:
+            if pending.state != _DISPATCHED:
+                return False
+            pending.state = _ABANDONED
+        return True
 
     def _abandon(self, pending: _Pending[T, R]) -> None:
         pending.state = _ABANDONED
@@ -455,7 +484,7 @@ class BatchScheduler(Generic[T, R]):
     ) -> None:
         queued = 0
         for p in pendings:
-            if p.state in (_QUEUED, _RUNNING):
+            if p.state in (_QUEUED, _DISPATCHED, _RUNNING):
                 queued += p.state == _QUEUED
                 p.resolve(error=make_error())
         if queued:
@@ -523,7 +552,7 @@ class BatchScheduler(Generic[T, R]):
             return
         now = time.perf_counter()
         for p in live:
-            p.state = _RUNNING
+            p.state = _DISPATCHED
         self._queued -= len(live)
         self._count(self.stats.queue_changed, -len(live))
         waits = [now - p.enqueued_at for p in live]
@@ -533,14 +562,16 @@ class BatchScheduler(Generic[T, R]):
             self._count(self.stats.record_batch, len(counted), counted, time.perf_counter() - now)
 
     async def _execute(self, pendings: list[_Pending[T, R]]) -> None:
-        items = [p.item for p in pendings]
+        for p in pendings:  # a bisected half, dispatched again
+            if p.state == _RUNNING:
+                p.state = _DISPATCHED
         handoff, self._handoff = self._handoff, None
         try:
             if self._thread is not None:
-                results = await wait_future(self._thread(partial(self._call, items, handoff)))
+                results = await wait_future(self._thread(partial(self._call, pendings, handoff)))
             else:
                 results = await anyio.to_thread.run_sync(
-                    self._call, items, handoff, limiter=self._limiter
+                    self._call, pendings, handoff, limiter=self._limiter
                 )
         except BaseException as exc:
             if handoff is not None:  # whether or not the thread got to it
@@ -567,18 +598,25 @@ class BatchScheduler(Generic[T, R]):
             handoff.fire()
 
     def _call(
-        self, items: list[T], handoff: _Handoff[T, R] | None = None
+        self, pendings: list[_Pending[T, R]], handoff: _Handoff[T, R] | None = None
     ) -> Sequence[R | BaseException]:
+        """The batch, on its thread: the items whose callers are still there, run."""
         if handoff is not None:
             # The previous batch's callers wake now, while this batch runs.
             call_soon_in_loop(self._loop, handoff.fire)
-        results = self.batch_fn(items)
-        if len(results) != len(items):
+        with self._start_lock:
+            live = [p for p in pendings if p.state == _DISPATCHED]
+            for p in live:
+                p.state = _RUNNING
+        results = self.batch_fn([p.item for p in live]) if live else []
+        if len(results) != len(live):
             raise RuntimeError(
-                f"{self.name}: batch function returned {len(results)} results "
-                f"for {len(items)} items"
+                f"{self.name}: batch function returned {len(results)} results for {len(live)} items"
             )
-        return results
+        if len(live) == len(pendings):
+            return results
+        ran = iter(results)
+        return [next(ran) if p.state == _RUNNING else _Left() for p in pendings]
 
 
 def _deadline(timeout: float | None) -> float | None:

@@ -18,15 +18,15 @@ core while ``F <= 45 D``. A lone request always gets every core.
 
 Both costs are measured as the client runs, under load only (loaded forward passes, sharded
 ones included; decode chunks of bodies that queued up, and decodes that start while the device
-runs a pass: a lone request on an idle machine is faster than either), as decaying, tile-weighted averages of wall time, so the choice follows
-the model and the machine. Until both are known, cores are left: a pass on ``t - k`` threads
-costs at most ``t / (t - k)`` of its time, while an OpenMP team beside busy decoders costs far
-more: on 2 cores, a pass of 1-15 tiles of the tiny model took 3-4.5x as long on both threads as
-on one beside two busy threads (14 against 5 ms for one tile, 115 against 26 for 15), and the
-first pass of a burst, one tile, 58-208 ms (docs/benchmarks.md, "Session 8"). Wall times under
-load include the contention itself, which favours what is already being done: a loaded tiny
-model measured F ~2.5-3 and D ~1.2-2 ms while not leaving (hence the slack of 3); once
-leaving, F ~1.0-1.3.
+runs a pass: a lone request on an idle machine is faster than either), as decaying,
+tile-weighted averages of wall time, so the choice follows the model and the machine. Until
+both are known, cores are left: a pass on ``t - k`` threads costs at most ``t / (t - k)`` of
+its time, while an OpenMP team beside busy decoders costs far more: on 2 cores, a pass of 1-15
+tiles of the tiny model took 3-4.5x as long on both threads as on one beside two busy threads
+(14 against 5 ms for one tile, 115 against 26 for 15), and the first pass of a burst, one tile,
+58-208 ms (docs/benchmarks.md, "Session 8"). Wall times under load include the contention
+itself, which favours what is already being done: a loaded tiny model measured F ~2.5-3 and D
+~1.2-2 ms while not leaving (hence the slack of 3); once leaving, F ~1.0-1.3.
 """
 
 from __future__ import annotations

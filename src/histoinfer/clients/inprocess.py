@@ -49,6 +49,7 @@ from anyio._core._eventloop import threadlocals as _anyio_threadlocals
 from ..batching import BatchScheduler, BatchStats, PerLoop, StatsSnapshot, wait_future
 from ..errors import (
     ClientClosedError,
+    DeadlineExceededError,
     InferenceError,
     InvalidRequestError,
     ModelExecutionError,
@@ -310,7 +311,7 @@ class InProcessClient(ClosingContext):
         prepare_threads: worker threads per loop for parsing and decoding.
         request_timeout: seconds from the call until its tile must reach the model (waiting
             for room and preparing included), or :class:`~histoinfer.errors.DeadlineExceededError`;
-            ``None`` waits as long as needed. Once dispatched, a request runs to completion (a
+            ``None`` waits as long as needed. Once its pass starts, it runs to completion (a
             request alone on an idle device is dispatched as a body, decoded on the device's
             thread: docs/batching.md).
         batch_decode_threads: threads that decode the bodies of one ``*_batch`` call (default
@@ -515,41 +516,57 @@ class InProcessClient(ClosingContext):
                     except Exception as exc:
                         raise _execution_error(job.request, exc) from exc
             else:
-                limiter = state.prepare_limiter
-                if self._alone(body, others=limiter.borrowed_tokens):
-                    job = _Job(body=body)  # decoded on the device's thread
-                else:
-                    [decoded] = await anyio.to_thread.run_sync(
-                        _decode_chunk,
-                        self.server_model,
-                        self._cores,
-                        [(body, mode)],
-                        limiter=limiter,
-                    )
-                    if isinstance(decoded, InvalidRequestError):
-                        raise decoded
-                    job = _Job(*decoded)
-                started = time.perf_counter()
-                # Loaded while other calls are being decoded: then the pass leaves them their
-                # cores, as a dynamic client's does (clients/cores.py).
-                loaded = partial(_decoding, limiter)
-                try:
-                    [result] = await wait_future(
-                        self._device_thread.submit(
-                            _forward_jobs, self.server_model, [job], mode, self._cores, loaded
-                        )
-                    )
-                except Exception as exc:
-                    self._stats[mode].record_error(type(exc).__name__)
-                    raise _execution_error(job.request, exc) from exc
-                if isinstance(result, InvalidRequestError):
-                    raise result  # a lone body refused: nothing ran
-                self._stats[mode].record_batch(1, [0.0], time.perf_counter() - started)
-                output = result
+                job, output = await self._infer_unbatched(state, body, mode)
             assert job.request is not None
             return self._finish(job.request, output, mode)
         finally:
             self._exit()
+
+    async def _infer_unbatched(
+        self, state: _LoopState, body: str | bytes, mode: Mode
+    ) -> tuple[_Job, SampleOutput]:
+        """Batch size 1 (``dynamic_batching=False``): decode the body, then run its tile alone.
+        ``request_timeout`` bounds the wait for decoding and for the device, as a dynamic
+        call's deadline does: a call not started in time never runs."""
+        start_by = _deadline(self.request_timeout)
+        limiter = state.prepare_limiter
+        if self._alone(body, others=limiter.borrowed_tokens):
+            job = _Job(body=body)  # decoded on the device's thread
+        else:
+            with anyio.move_on_after(_remaining(start_by)) as waited:
+                [decoded] = await anyio.to_thread.run_sync(
+                    _decode_chunk, self.server_model, self._cores, [(body, mode)], limiter=limiter
+                )
+            if waited.cancelled_caught:
+                raise self._deadline_exceeded(mode, "it was still waiting to be decoded")
+            if isinstance(decoded, InvalidRequestError):
+                raise decoded
+            job = _Job(*decoded)
+        started = time.perf_counter()
+        # Loaded while other calls are being decoded: then the pass leaves them their cores,
+        # as a dynamic client's does (clients/cores.py).
+        loaded = partial(_decoding, limiter)
+        future = self._device_thread.submit(
+            _forward_jobs, self.server_model, [job], mode, self._cores, loaded
+        )
+        try:
+            [result] = await wait_future(future, start_by=start_by)
+        except Exception as exc:
+            if future.cancelled():  # the device had not got to it by the deadline
+                raise self._deadline_exceeded(mode, "the device was busy with other work") from None
+            self._stats[mode].record_error(type(exc).__name__)
+            raise _execution_error(job.request, exc) from exc
+        if isinstance(result, InvalidRequestError):
+            raise result  # a lone body refused: nothing ran
+        self._stats[mode].record_batch(1, [0.0], time.perf_counter() - started)
+        return job, result
+
+    def _deadline_exceeded(self, mode: Mode, detail: str) -> DeadlineExceededError:
+        """As a dynamic call's scheduler words it (batching/scheduler.py), and counted alike."""
+        self._stats[mode].record_error("deadline")
+        return DeadlineExceededError(
+            f"{self._model_name}:{mode}: request not dispatched within its deadline: {detail}"
+        )
 
     def _alone(self, body: object, others: int) -> bool:
         """May this call skip its decode thread (module docstring)? Only with ``others`` (calls
@@ -742,6 +759,14 @@ def _default_prepare_threads(model: ServerModel) -> int:
         threads = torch.get_num_threads()
         return cores if shards.available(model, threads) else max(1, cores - threads)
     return max(2, cores)
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.perf_counter() + timeout
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else deadline - time.perf_counter()
 
 
 def _running_loop_here() -> bool:
