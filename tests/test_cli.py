@@ -113,6 +113,50 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 2  # no command: help, and a failing status
 
 
+@pytest.mark.parametrize(
+    ("option", "value", "says"),
+    [
+        ("--port", "70000", "0-65535"),
+        ("--max-queue", "0", "at least 1"),
+        ("--max-batch-size", "2.5", "not an int"),
+        ("--max-wait-ms", "nan", "finite"),
+        ("--max-body-mb", "-1", "more than 0"),
+        ("--request-timeout", "0", "more than 0"),
+        ("--graceful-timeout", "-5", "0 or more"),
+    ],
+)
+def test_serve_refuses_bad_option_values_before_starting(
+    option: str, value: str, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Accepted, each would have served 500s, 413s or 503s to every request."""
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--model", "h1", "--checkpoint", "x.pt2", option, value])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert option in err and says in err
+
+
+def test_serve_on_a_port_in_use_is_one_line(
+    tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for server in ("uvicorn", "hypercorn"):
+            args = ["serve", "--model", "h1", "--checkpoint", str(tiny_checkpoint)]
+            assert main([*args, "--port", str(port), "--server", server, "--no-warmup"]) == 1
+            err = capsys.readouterr().err
+            assert f"cannot listen on 127.0.0.1:{port}" in err and "Traceback" not in err
+
+
+def test_demo_refuses_a_tile_of_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--tile", "0"]) == 1
+    assert "--tile must be positive" in capsys.readouterr().err
+
+
 def test_python_dash_m_prints_no_traceback(tmp_path: Path) -> None:
     missing = tmp_path / "missing.pt2"
     proc = subprocess.run(

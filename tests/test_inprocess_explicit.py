@@ -622,11 +622,46 @@ def test_from_checkpoint_builds_an_explicit_client(tiny_checkpoint: Any) -> None
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"max_batch_size": 0}, {"max_wait_ms": -1.0}, {"overload": "drop"}]
+    "kwargs",
+    [
+        {"max_batch_size": 0},
+        {"max_batch_size": 2.5},
+        {"max_batch_size": "8"},
+        {"max_batch_size": True},
+        {"max_wait_ms": -1.0},
+        {"max_wait_ms": float("nan")},
+        {"max_wait_ms": float("inf")},
+        {"max_queue": 0},
+        {"prepare_threads": -1},
+        {"request_timeout": 0},
+        {"request_timeout": -1.0},
+        {"request_timeout": float("nan")},
+        {"overload": "drop"},
+    ],
+    ids=repr,
 )
-def test_bad_settings_are_refused(tiny_model: ServerModel, kwargs: dict[str, Any]) -> None:
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_bad_settings_are_refused_naming_them(
+    tiny_model: ServerModel, kwargs: dict[str, Any], dynamic: bool
+) -> None:
+    """At construction, naming the argument: accepted, each would fail every call later (a
+    bare ValueError from the scheduler, a deadline that has always passed)."""
     with pytest.raises(ValueError, match=next(iter(kwargs))):
-        InProcessClient(tiny_model, dynamic_batching=False, **kwargs)
+        InProcessClient(tiny_model, dynamic_batching=dynamic, **kwargs)
+
+
+def test_numpy_and_none_settings_are_accepted(tiny_model: ServerModel) -> None:
+    import numpy as np
+
+    with InProcessClient(
+        tiny_model,
+        max_batch_size=np.int64(8),
+        max_wait_ms=np.float32(0.0),
+        max_queue=None,
+        prepare_threads=None,
+        request_timeout=np.float64(30),
+    ) as client:
+        assert json.loads(client.predict(make_body(1)))["patch_idx"] == 1
 
 
 def test_metadata_after_close_raises_like_every_other_method(tiny_model: Any) -> None:

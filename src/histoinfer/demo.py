@@ -71,6 +71,8 @@ def tile_requests(image: np.ndarray, tile: int, stride: int, slide: str) -> list
     height, width = image.shape[:2]
     if tile > min(height, width):
         raise ValueError(f"--tile {tile} is larger than the image ({width}x{height})")
+    if tile <= 0:
+        raise ValueError(f"--tile must be positive, got {tile}")
     if stride <= 0:
         raise ValueError(f"--stride must be positive, got {stride}")
     bodies: list[str] = []

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import numbers
 import os
 import threading
 import time
@@ -333,18 +335,15 @@ class InProcessClient(ClosingContext):
         overload: Literal["wait", "reject"] = "wait",
         batch_decode_threads: int = 1,
     ) -> None:
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        if max_wait_ms < 0:
-            raise ValueError(f"max_wait_ms must be >= 0, got {max_wait_ms}")
+        # Refused here, naming the argument: accepted, each would fail every call later.
+        _check_count("max_batch_size", max_batch_size)
+        _check_seconds("max_wait_ms", max_wait_ms, zero_ok=True)
+        _check_count("max_queue", max_queue, none_ok=True)
+        _check_count("prepare_threads", prepare_threads, none_ok=True)
+        _check_seconds("request_timeout", request_timeout, none_ok=True)
+        _check_count("batch_decode_threads", batch_decode_threads)
         if overload not in ("wait", "reject"):
             raise ValueError(f"overload must be 'wait' or 'reject', got {overload!r}")
-        if isinstance(batch_decode_threads, bool) or not (
-            isinstance(batch_decode_threads, int) and batch_decode_threads >= 1
-        ):
-            raise ValueError(
-                f"batch_decode_threads must be an int >= 1, got {batch_decode_threads!r}"
-            )
         self.server_model = server_model
         self.max_batch_size = max_batch_size
         self.max_wait_ms = float(max_wait_ms)
@@ -759,6 +758,30 @@ def _default_prepare_threads(model: ServerModel) -> int:
         threads = torch.get_num_threads()
         return cores if shards.available(model, threads) else max(1, cores - threads)
     return max(2, cores)
+
+
+def _check_count(name: str, value: object, none_ok: bool = False) -> None:
+    """An int >= 1 (not a bool), or None where ``none_ok``."""
+    if value is None and none_ok:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        allowed = "an int >= 1" + (" or None" if none_ok else "")
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def _check_seconds(name: str, value: object, zero_ok: bool = False, none_ok: bool = False) -> None:
+    """A finite number > 0 (>= 0 where ``zero_ok``), or None where ``none_ok``."""
+    if value is None and none_ok:
+        return
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(value)
+        or value < 0
+        or (value == 0 and not zero_ok)
+    ):
+        allowed = f"a finite number {'>=' if zero_ok else '>'} 0" + (" or None" if none_ok else "")
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
 
 def _deadline(timeout: float | None) -> float | None:

@@ -12,6 +12,7 @@ import gc
 import logging
 import math
 import signal
+import socket
 import sys
 from functools import partial
 from pathlib import Path
@@ -48,24 +49,80 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add("--assets", action="append", type=Path, help="assets dir per --model (default: beside it)")
     add("--device", default="cpu", help="torch device; run one process per GPU")
     add("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    add("--port", type=int, default=8080, help="port to bind (default: 8080)")
+    add("--port", type=_port, default=8080, help="port to bind (default: 8080)")
     add("--server", choices=["uvicorn", "hypercorn"], default="uvicorn")
     add("--backend", choices=["asyncio", "trio"], default="asyncio", help="trio: hypercorn only")
-    add("--max-batch-size", type=int, default=64, help="most tiles per forward pass")
-    add("--max-wait-ms", type=float, default=5.0, help="longest a tile waits for a batch")
-    add("--max-queue", type=int, default=1024, help="requests admitted per mode; more get 503")
-    add("--max-body-mb", type=float, default=64.0, help="larger request bodies get 413")
+    add("--max-batch-size", type=_count, default=64, help="most tiles per forward pass")
+    add("--max-wait-ms", type=_at_least_zero, default=5.0, help="longest a tile waits for a batch")
+    add("--max-queue", type=_count, default=1024, help="requests admitted per mode; more get 503")
+    add("--max-body-mb", type=_above_zero, default=64.0, help="larger request bodies get 413")
     add(
         "--request-timeout",
-        type=float,
+        type=_above_zero,
         default=None,
         help="seconds a request may wait for its forward pass before 503 (default: no limit)",
     )
-    add("--retry-after", type=int, default=1, help="seconds in Retry-After on 503")
-    add("--graceful-timeout", type=float, default=30.0, help="seconds in-flight requests get")
+    add("--retry-after", type=_zero_or_more, default=1, help="seconds in Retry-After on 503")
+    add(
+        "--graceful-timeout",
+        type=_at_least_zero,
+        default=30.0,
+        help="seconds in-flight requests get",
+    )
     add("--no-warmup", action="store_true", help="report ready without a warm-up pass")
     add("--access-log", action="store_true", help="log every request (costs throughput)")
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+# Option types: a bad value is refused by argparse with a usage line, never accepted and then
+# turned into a 500, a 413 or a 503 on every request.
+
+
+def _number(text: str, kind: type[int] | type[float]) -> float:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not {'an int' if kind is int else 'a number'}"
+        ) from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def _count(text: str) -> int:
+    value = int(_number(text, int))
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _zero_or_more(text: str) -> int:
+    value = int(_number(text, int))
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(_number(text, int))
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0-65535, got {value}")
+    return value
+
+
+def _at_least_zero(text: str) -> float:
+    value = _number(text, float)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _above_zero(text: str) -> float:
+    value = _number(text, float)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {value}")
+    return value
 
 
 def model_sources(args: argparse.Namespace) -> dict[str, ClientSource]:
@@ -106,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
     if args.server == "uvicorn" and args.backend == "trio":
         raise CommandError("uvicorn runs on asyncio only; use --server hypercorn --backend trio")
     sources = model_sources(args)
+    _check_bindable(args.host, args.port)
     logging.getLogger("histoinfer").setLevel(args.log_level.upper())
     app = create_app(
         sources,
@@ -171,6 +229,23 @@ def _run_uvicorn(app: Any, state: ServerState, args: argparse.Namespace) -> None
 
     state.on_fatal = stop
     server.run()
+
+
+def _check_bindable(host: str, port: int) -> None:
+    """Both servers bind only after the app's start-up has run (the models start loading), and
+    hypercorn's failure there ends in a traceback from the lifespan's shutdown: try the address
+    first, for one line and exit status 1 from either."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as exc:
+        raise CommandError(
+            f"cannot listen on {_authority(host, port)}: {exc.strerror or exc}"
+        ) from None
 
 
 def _run_hypercorn(app: Any, state: ServerState, args: argparse.Namespace) -> None:
