@@ -51,7 +51,7 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
 def _settled(client: InProcessClient) -> bool:
     """Nothing queued, preparing or in flight, in any mode."""
-    return client._active == 0 and all(s.queue_depth == 0 for s in client.stats().values())
+    return client._calls.active == 0 and all(s.queue_depth == 0 for s in client.stats().values())
 
 
 def _ended(scheduler: BatchScheduler[Any, Any]) -> bool:
@@ -407,7 +407,7 @@ async def test_overload_reject_mode_answers_overloaded_instead_of_waiting(
                 start_calls(tg, client, [0], results)
                 await wait_until(lambda: watch.calls == 1)
                 start_calls(tg, client, [3], results)
-                await wait_until(lambda: client._active == 2)
+                await wait_until(lambda: client._calls.active == 2)
                 with pytest.raises(OverloadedError):
                     await client.predict_async(body(6))
                 gate.set()
@@ -426,7 +426,7 @@ async def test_aclose_finishes_in_flight_work_then_refuses(tiny_model: ServerMod
     with anyio.fail_after(60):
         async with anyio.create_task_group() as tg:
             start_calls(tg, client, indices, results)
-            await wait_until(lambda: client._active == len(indices))
+            await wait_until(lambda: client._calls.active == len(indices))
             schedulers = list(client._loops.get().schedulers.values())
             await client.aclose()
             assert len(results) == len(indices)  # aclose returned after all of them
@@ -452,7 +452,7 @@ async def test_sync_close_during_async_calls(tiny_model: ServerModel, where: str
     with anyio.fail_after(60):
         async with anyio.create_task_group() as tg:
             start_calls(tg, client, indices, results)
-            await wait_until(lambda: client._active == len(indices))
+            await wait_until(lambda: client._calls.active == len(indices))
             if where == "worker thread":
                 await anyio.to_thread.run_sync(client.close)
                 assert len(results) == len(indices)

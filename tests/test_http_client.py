@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -81,6 +82,7 @@ def test_wire_constants_match_the_server():
     assert http_module.BATCH_BODIES_JSON == app.BATCH_BODIES_JSON
     assert http_module.NDJSON == app.NDJSON
     assert http_module.BYTES_KEY == app.BYTES_KEY
+    assert http_module.STR_KEY == app.STR_KEY
 
 
 def test_sync_calls_from_many_threads(server, reference):
@@ -362,6 +364,63 @@ def counting_server() -> Iterator[tuple[ThreadServer, PeakCounter]]:
     app = PeakCounter()
     with thread_server(app) as s:
         yield s, app
+
+
+def test_close_lets_the_calls_in_flight_finish(counting_server):
+    """SPEC §5: closing finishes the work in flight and refuses new calls (before, close()
+    shut the pools under them: ReadError, or ClientClosedError after a retry)."""
+    server, app = counting_server
+    app.delay = 0.3
+    try:
+        client = HttpClient(server.base_url, retries=0)
+        results: list[object] = []
+
+        def call() -> None:
+            try:
+                results.append(client.predict(make_body(0)))
+            except Exception as exc:  # recorded, to be asserted on
+                results.append(exc)
+
+        threads = [threading.Thread(target=call) for _ in range(3)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while app.now < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert app.now == 3
+        client.close()  # returns once they are done
+        assert results == ['{"ok": true}'] * 3
+        with pytest.raises(ClientClosedError):
+            client.predict(make_body(0))
+        for t in threads:
+            t.join(10)
+    finally:
+        app.delay = 0.05
+
+
+@pytest.mark.anyio
+async def test_aclose_lets_the_calls_in_flight_finish(counting_server):
+    server, app = counting_server
+    app.delay = 0.3
+    try:
+        client = HttpClient(server.base_url, retries=0)
+        results: list[object] = []
+
+        async def call() -> None:
+            results.append(await client.predict_async(make_body(0)))
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                for _ in range(5):
+                    tg.start_soon(call)
+                while app.now < 5:
+                    await anyio.sleep(0.01)
+                await client.aclose()
+                assert results == ['{"ok": true}'] * 5
+        with pytest.raises(ClientClosedError):
+            await client.predict_async(make_body(0))
+    finally:
+        app.delay = 0.05
 
 
 async def run_concurrently(call: Any, n: int) -> None:

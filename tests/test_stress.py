@@ -181,7 +181,10 @@ async def test_random_client_traffic_loses_duplicates_and_crosses_nothing(
             for step in plan:
                 tg.start_soon(one, *step)
         await wait_until(
-            lambda: client._active == 0 and all(s.queue_depth == 0 for s in client.stats().values())
+            lambda: (
+                client._calls.active == 0
+                and all(s.queue_depth == 0 for s in client.stats().values())
+            )
         )
     for request, tile, *_ in plan:
         got = answers[request]

@@ -78,7 +78,7 @@ async def test_a_sync_call_on_a_running_loops_thread_works(
         async with anyio.create_task_group() as tg:
             for i in indices[1:]:
                 tg.start_soon(one, i)
-            await wait_until(lambda: client._active == len(indices) - 1)
+            await wait_until(lambda: client._calls.active == len(indices) - 1)
             got[0] = client.predict(body(0))  # blocks this loop; must not deadlock
     assert [i for i, a in zip(indices, expected(tiny_model, indices), strict=True)
             if not outputs_close(got[i], a)] == []  # fmt: skip
@@ -164,11 +164,11 @@ def test_close_lets_sync_calls_in_flight_finish_then_refuses(tiny_model: ServerM
     threads, errors = start_threads([partial(worker, indices[t::8]) for t in range(8)])
     start.wait()
     deadline = time.monotonic() + 30
-    while client._active == 0 and time.monotonic() < deadline:
+    while client._calls.active == 0 and time.monotonic() < deadline:
         time.sleep(0.001)
     portal_thread = client._portal.thread if client._portal is not None else None
     client.close()
-    assert client._active == 0  # close() returned only once nothing was in flight
+    assert client._calls.active == 0  # close() returned only once nothing was in flight
     join_threads(threads, 60)
     assert errors == []
     assert len(got) + len(refused) == len(indices) and got  # each either answered or refused

@@ -37,22 +37,26 @@ from urllib.parse import quote
 
 import anyio
 import anyio.lowlevel
+import anyio.to_thread
 import httpx
 import sniffio
 
 from ..errors import ClientClosedError, InferenceError, InvalidRequestError, error_for_problem_type
-from ..schema import Mode, locate
-from .lifecycle import ClosingContext
+from ..schema import Mode, locate, parse_request
+from .lifecycle import ClosingContext, InFlight, running_loop_here
 
-__all__ = ["BATCH_BODIES_JSON", "BYTES_KEY", "NDJSON", "HttpClient"]
+__all__ = ["BATCH_BODIES_JSON", "BYTES_KEY", "NDJSON", "STR_KEY", "HttpClient"]
 
 log = logging.getLogger("histoinfer.http")
 
 # The same values as in histoinfer.server.app (which this module must not import: FastAPI).
 #: Batch request whose elements are the bodies exactly as the caller passed them.
 BATCH_BODIES_JSON = "application/vnd.histoinfer.bodies+json"
-#: In such a batch, ``{BYTES_KEY: base64}`` stands for a bytes body that is not UTF-8.
+#: In such a batch, ``{BYTES_KEY: base64}`` stands for a bytes body that is not UTF-8, and
+#: ``{STR_KEY: base64}`` for a str body that is not valid Unicode (a lone surrogate: its UTF-8
+#: with surrogates passed through), so that the server refuses each as in-process.
 BYTES_KEY = "$bytes"
+STR_KEY = "$str"
 #: Batch response with one response JSON per line: split exactly, no re-serialization.
 NDJSON = "application/x-ndjson"
 
@@ -150,7 +154,8 @@ class HttpClient(ClosingContext):
         self._sync_slots = (
             None if max_in_flight is None else threading.BoundedSemaphore(max_in_flight)
         )
-        self._closed = False
+        self._calls = InFlight()
+        self._released = False  # the pools are closed: after close() and its calls in flight
         self._lock = threading.Lock()
         self._sync: httpx.Client | None = None
         self._pools: dict[object, _LoopPool] = {}
@@ -168,7 +173,8 @@ class HttpClient(ClosingContext):
 
     def metadata(self) -> str:
         url = self._url(f"/api/metadata/{self._model_path}")
-        return _text(self._send("GET", url, None, {"Accept": _ACCEPT}))
+        with self._calls.call():
+            return _text(self._send("GET", url, None, {"Accept": _ACCEPT}))
 
     # -- Client protocol: async --------------------------------------------------------------
 
@@ -196,13 +202,18 @@ class HttpClient(ClosingContext):
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._calls.closed
 
     def close(self) -> None:
-        """Close every connection pool; later calls raise :class:`ClientClosedError`.
+        """Refuse new calls, let those in flight finish, then close every connection pool.
 
-        Async pools are closed on their own loops (soon, if that loop is still running).
+        Async pools are closed on their own loops (soon, if that loop is still running). On a
+        thread whose event loop is running, calls in flight there cannot finish while close()
+        waits: it does not wait, and they end with :class:`ClientClosedError`.
         """
+        self._calls.close()
+        if not running_loop_here():
+            self._calls.wait_idle()
         sync, pools = self._shut()
         for pool in pools:
             pool.request_close()
@@ -210,6 +221,9 @@ class HttpClient(ClosingContext):
             sync.close()
 
     async def aclose(self) -> None:
+        self._calls.close()
+        # Wait in a thread: this loop must keep running its own calls in flight meanwhile.
+        await anyio.to_thread.run_sync(self._calls.wait_idle)
         sync, pools = self._shut()
         here = _loop_key()
         for pool in pools:
@@ -220,7 +234,7 @@ class HttpClient(ClosingContext):
             sync.close()
 
     def __repr__(self) -> str:
-        closed = " closed" if self._closed else ""
+        closed = " closed" if self.closed else ""
         return f"<HttpClient {self.model!r} at {self.base_url}{closed}>"
 
     # -- requests ----------------------------------------------------------------------------
@@ -233,26 +247,27 @@ class HttpClient(ClosingContext):
         return self.base_url + path
 
     def _infer(self, body: str, mode: Mode) -> str:
-        self._check_open()
-        url = self._url(f"/api/{mode}/{self._model_path}")
-        return _text(self._send("POST", url, _encode_body(body), _JSON_HEADERS))
+        with self._calls.call():
+            url = self._url(f"/api/{mode}/{self._model_path}")
+            return _text(self._send("POST", url, _encode_body(body), _JSON_HEADERS))
 
     async def _infer_async(self, body: str, mode: Mode, session: object | None) -> str:
-        self._check_open()
-        url = self._url(f"/api/{mode}/{self._model_path}")
-        content = _encode_body(body)
-        if session is not None and not isinstance(session, httpx.AsyncClient):
-            raise TypeError(f"session must be an httpx.AsyncClient, got {type(session).__name__}")
-        pool = self._loop_pool()
-        response = await self._send_async(pool, session, "POST", url, content, _JSON_HEADERS)
-        return _text(response)
+        with self._calls.call():
+            url = self._url(f"/api/{mode}/{self._model_path}")
+            content = _encode_body(body)
+            if session is not None and not isinstance(session, httpx.AsyncClient):
+                kind = type(session).__name__
+                raise TypeError(f"session must be an httpx.AsyncClient, got {kind}")
+            pool = self._loop_pool()
+            response = await self._send_async(pool, session, "POST", url, content, _JSON_HEADERS)
+            return _text(response)
 
     def _infer_batch(self, bodies: list[str], mode: Mode) -> list[str]:
-        self._check_open()
-        content = _encode_batch(bodies)
-        url = self._url(f"/api/{mode}/{self._model_path}/batch")
-        response = self._send("POST", url, content, _BATCH_HEADERS)
-        return _split_batch(response, len(bodies))
+        with self._calls.call():
+            content = _encode_batch(bodies)
+            url = self._url(f"/api/{mode}/{self._model_path}/batch")
+            response = self._send("POST", url, content, _BATCH_HEADERS)
+            return _split_batch(response, len(bodies))
 
     def _send(
         self, method: str, url: str, content: bytes | None, headers: dict[str, str]
@@ -306,16 +321,12 @@ class HttpClient(ClosingContext):
 
     # -- pools -------------------------------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ClientClosedError("the client is closed")
-
     def _closed_error(self, exc: RuntimeError) -> Exception:
-        return ClientClosedError("the client is closed") if self._closed else exc
+        return ClientClosedError("the client is closed") if self._released else exc
 
     def _sync_client(self) -> httpx.Client:
         with self._lock:
-            if self._closed:
+            if self._released:
                 raise ClientClosedError("the client is closed")
             if self._sync is None:
                 self._sync = httpx.Client(**self._options)
@@ -325,7 +336,7 @@ class HttpClient(ClosingContext):
         """The running loop's pool (its ``httpx.AsyncClient`` objects are made on first use)."""
         key = _loop_key()
         with self._lock:
-            if self._closed:
+            if self._released:
                 raise ClientClosedError("the client is closed")
             pool = self._pools.get(key)
             if pool is not None:
@@ -344,7 +355,7 @@ class HttpClient(ClosingContext):
 
     def _shut(self) -> tuple[httpx.Client | None, list[_LoopPool]]:
         with self._lock:
-            self._closed = True
+            self._released = True
             sync, self._sync = self._sync, None
             pools = list(self._pools.values())
             self._pools.clear()
@@ -422,6 +433,8 @@ class _Attempt:
         self.number = 0
 
     def failed(self, exc: httpx.HTTPError) -> float:
+        if self.client._released:  # its pool was closed under it (see HttpClient.close)
+            raise ClientClosedError("the client is closed") from exc
         if not isinstance(exc, _RETRY_ERRORS) or self.number >= self.client.retries:
             tries = f" after {self.number + 1} attempts" if self.number else ""
             if isinstance(exc, httpx.TimeoutException):
@@ -489,7 +502,13 @@ def _text(response: httpx.Response) -> str:
 
 def _encode_body(body: str | bytes) -> bytes:
     if isinstance(body, str):
-        return body.encode("utf-8", "surrogatepass")
+        try:
+            return body.encode("utf-8")
+        except UnicodeEncodeError:
+            # Not valid Unicode (a lone surrogate): as UTF-8 it would reach the server as
+            # invalid JSON. Refused here by the function that refuses it in-process.
+            parse_request(body)
+            raise InvalidRequestError("invalid request: body is not valid Unicode") from None
     if isinstance(body, bytes | bytearray):
         return bytes(body)
     raise InvalidRequestError(
@@ -519,7 +538,20 @@ def _encode_batch(bodies: Sequence[object]) -> bytes:
                 f"invalid request{locate(position)}: body must be a JSON string, "
                 f"got {type(body).__name__}"
             )
-    return json.dumps(items, ensure_ascii=False).encode("utf-8", "surrogatepass")
+    try:
+        return json.dumps(items, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:  # some str body is not valid Unicode (STR_KEY)
+        return json.dumps([_wrap_invalid_str(item) for item in items], ensure_ascii=False).encode()
+
+
+def _wrap_invalid_str(item: object) -> object:
+    if isinstance(item, str):
+        try:
+            item.encode("utf-8")
+        except UnicodeEncodeError:
+            raw = item.encode("utf-8", "surrogatepass")
+            return {STR_KEY: base64.b64encode(raw).decode("ascii")}
+    return item
 
 
 def _split_batch(response: httpx.Response, expected: int) -> list[str]:

@@ -26,7 +26,6 @@ the garbage collector would destroy it mid-await ("Task was destroyed but it is 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import numbers
@@ -44,7 +43,6 @@ import anyio
 import anyio.from_thread
 import anyio.lowlevel
 import anyio.to_thread
-import sniffio
 import torch
 from anyio._core._eventloop import threadlocals as _anyio_threadlocals
 
@@ -63,7 +61,7 @@ from ..models.openmp import thread_count
 from ..models.registry import build_server_model
 from ..schema import MODES, BatchingSettings, Mode, ModelRequest, locate, parse_request
 from .cores import CoreShare
-from .lifecycle import ClosingContext
+from .lifecycle import ClosingContext, InFlight, running_loop_here
 from .portal import PortalThread
 
 __all__ = ["InProcessClient"]
@@ -368,9 +366,7 @@ class InProcessClient(ClosingContext):
         # Dropped without close(): end the runner tasks in their loops rather than leave them
         # to the garbage collector. Holds the loops, which hold nothing of the client.
         weakref.finalize(self, _close_loop_states, self._loops)
-        self._closed = False
-        self._active = 0
-        self._idle = threading.Condition()
+        self._calls = InFlight()
         self._portal: PortalThread | None = None
         self._threads_lock = threading.Lock()
         self._portal_finalizer: weakref.finalize[Any, Any] | None = None
@@ -431,7 +427,7 @@ class InProcessClient(ClosingContext):
         return self._run_sync(self.predict_with_embedding_async, body)
 
     def metadata(self) -> str:
-        if self._closed:  # as HttpClient, and every other method: closed means closed
+        if self._calls.closed:  # as HttpClient, and every other method: closed means closed
             raise ClientClosedError("the client is closed")
         return self._metadata_json
 
@@ -456,7 +452,7 @@ class InProcessClient(ClosingContext):
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._calls.closed
 
     def close(self) -> None:
         """Finish the work in flight, refuse new calls, and release the portal thread.
@@ -464,7 +460,7 @@ class InProcessClient(ClosingContext):
         Every loop's schedulers end once the last call in flight is done.
         """
         self._mark_closed()
-        if _running_loop_here():
+        if running_loop_here():
             # Waiting here would block the very loop whose requests we wait for (a notebook
             # cell): those finish on their own; we only refuse new ones.
             log.debug("close() on a thread with a running loop: not waiting for in-flight work")
@@ -483,7 +479,7 @@ class InProcessClient(ClosingContext):
         return (
             f"<InProcessClient {self._model_name!r} on {self.server_model.device} "
             f"{mode} max_batch_size={self.max_batch_size} max_wait_ms={self.max_wait_ms}"
-            f"{' closed' if self._closed else ''}>"
+            f"{' closed' if self._calls.closed else ''}>"
         )
 
     # -- the pipeline ------------------------------------------------------------------------
@@ -630,7 +626,7 @@ class InProcessClient(ClosingContext):
         try:
             return list(pool.map(lambda i: decode(bodies[i], position=i), range(len(bodies))))
         except RuntimeError:
-            if self._closed:  # close() from a thread with a running loop stopped the pool
+            if self._calls.closed:  # close() from a thread with a running loop stopped the pool
                 raise ClientClosedError("the client is closed") from None
             raise
 
@@ -676,13 +672,13 @@ class InProcessClient(ClosingContext):
         try:
             return portal.call(fn, body)
         except RuntimeError:
-            if self._closed:  # the portal stopped under us: close() won the race
+            if self._calls.closed:  # the portal stopped under us: close() won the race
                 raise ClientClosedError("the client is closed") from None
             raise
 
     def _get_portal(self) -> PortalThread:
         with self._threads_lock:
-            if self._closed:  # never start a portal for a closed client
+            if self._calls.closed:  # never start a portal for a closed client
                 raise ClientClosedError("the client is closed")
             if self._portal is None:
                 self._portal = PortalThread(name=f"histoinfer-portal-{self._model_name}")
@@ -701,30 +697,18 @@ class InProcessClient(ClosingContext):
             decoder.shutdown(wait=False)
 
     def _enter(self) -> None:
-        with self._idle:
-            if self._closed:
-                raise ClientClosedError("the client is closed")
-            self._active += 1
+        self._calls.enter()
 
     def _exit(self) -> None:
-        with self._idle:
-            self._active -= 1
-            idle = self._active == 0
-            if idle:
-                self._idle.notify_all()
-        if idle and self._closed:  # the last call in flight after close(): end the schedulers
+        if self._calls.exit():  # the last call in flight after close(): end the schedulers
             _close_loop_states(self._loops)
 
     def _mark_closed(self) -> None:
-        with self._idle:
-            self._closed = True
-            idle = self._active == 0
-        if idle:
+        if self._calls.close():
             _close_loop_states(self._loops)
 
     def _wait_idle(self) -> None:
-        with self._idle:
-            self._idle.wait_for(lambda: self._active == 0)
+        self._calls.wait_idle()
 
 
 async def _in_host_loop(fn: Callable[[str], Coroutine[Any, Any, T]], body: str) -> T:
@@ -790,20 +774,6 @@ def _deadline(timeout: float | None) -> float | None:
 
 def _remaining(deadline: float | None) -> float | None:
     return None if deadline is None else deadline - time.perf_counter()
-
-
-def _running_loop_here() -> bool:
-    """Is an event loop running on this thread (also outside a task, e.g. in a callback)?"""
-    try:
-        asyncio.get_running_loop()
-        return True
-    except RuntimeError:
-        pass
-    try:
-        sniffio.current_async_library()
-    except sniffio.AsyncLibraryNotFoundError:
-        return False
-    return True
 
 
 def _execution_error(request: ModelRequest | None, exc: BaseException) -> ModelExecutionError:

@@ -52,7 +52,15 @@ from .problems import (
     install_problem_handlers,
 )
 
-__all__ = ["BATCH_BODIES_JSON", "BYTES_KEY", "NDJSON", "ClientSource", "ServerState", "create_app"]
+__all__ = [
+    "BATCH_BODIES_JSON",
+    "BYTES_KEY",
+    "NDJSON",
+    "STR_KEY",
+    "ClientSource",
+    "ServerState",
+    "create_app",
+]
 
 log = logging.getLogger("histoinfer.server")
 
@@ -64,6 +72,7 @@ ClientSource = InProcessClient | Callable[[], InProcessClient]
 BATCH_BODIES_JSON = "application/vnd.histoinfer.bodies+json"
 #: In such a batch, ``{BYTES_KEY: base64}`` stands for a bytes body that is not UTF-8.
 BYTES_KEY = "$bytes"
+STR_KEY = "$str"
 #: Batch response type with one response JSON per line: split exactly, without re-parsing.
 NDJSON = "application/x-ndjson"
 
@@ -250,7 +259,8 @@ def _batch_bodies(raw: bytes, verbatim: bool) -> Any:
     String elements are passed as they are (they are request bodies). Object elements are
     requests written inline (curl): they are serialized back to JSON text, unless the request
     is ``BATCH_BODIES_JSON``, where every element is exactly what the caller passed (a dict is
-    refused as in-process; ``{BYTES_KEY: base64}`` is a bytes body). A body that is not a list
+    refused as in-process; ``{BYTES_KEY: base64}`` is a bytes body, ``{STR_KEY: base64}`` a str
+    body that is not valid Unicode). A body that is not a list
     is passed on too: ``infer_batch`` rejects it with the message in-process callers get.
     """
     try:
@@ -260,17 +270,20 @@ def _batch_bodies(raw: bytes, verbatim: bool) -> Any:
     if not isinstance(items, list):
         return items
     if verbatim:
-        return [_bytes_body(item) if isinstance(item, dict) else item for item in items]
+        return [_wrapped_body(item) if isinstance(item, dict) else item for item in items]
     return [pydantic_core.to_json(item) if isinstance(item, dict) else item for item in items]
 
 
-def _bytes_body(item: dict[str, Any]) -> Any:
-    encoded = item.get(BYTES_KEY)
-    if len(item) == 1 and isinstance(encoded, str):
-        try:
-            return base64.b64decode(encoded, validate=True)
-        except ValueError:
-            pass
+def _wrapped_body(item: dict[str, Any]) -> Any:
+    """A ``BYTES_KEY`` or ``STR_KEY`` object as the body it stands for; any other dict as is."""
+    if len(item) == 1:
+        [(key, encoded)] = item.items()
+        if key in (BYTES_KEY, STR_KEY) and isinstance(encoded, str):
+            try:
+                raw = base64.b64decode(encoded, validate=True)
+                return raw if key == BYTES_KEY else raw.decode("utf-8", "surrogatepass")
+            except ValueError:  # UnicodeDecodeError too
+                pass
     return item
 
 
