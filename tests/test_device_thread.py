@@ -395,3 +395,23 @@ def test_jobs_run_one_at_a_time_even_after_stop_when_callers_run_them() -> None:
     worker.stop(timeout=10)  # from now on every caller runs its job in its own thread
     assert worker.call(threading.get_ident) == threading.get_ident()
     assert _most_at_once(worker, callers=4) == 1
+
+
+def test_a_loaded_pass_on_the_whole_team_is_not_recorded(tiny_model: ServerModel) -> None:
+    """Beside busy decoders such a pass measures the team's contention, not its own cost;
+    recorded, it kept the choice on the team for good (batch-size-1 calls, session 8)."""
+    if not per_thread_counts_supported():
+        pytest.skip("torch's OpenMP runtime here is not libgomp: per-thread counts unsupported")
+    worker = device_thread("cpu")
+    full = worker.call(torch.get_num_threads)
+    if full < 2:
+        pytest.skip("one torch thread: there is no core to leave")
+    size = tiny_model.assets.tile_size
+    tile = torch.zeros(3, size, size, dtype=torch.uint8)
+    share = CoreShare(decode_threads=1)
+    share.record_decode(10, 0.010)  # 1 ms a tile
+    share.record_forward(10, 10.0, full, full)  # 1 s a tile: stays on the team
+    assert share.cores_to_leave(full) == 0
+    before = share._forward.per_tile()
+    worker.call(_forward, tiny_model, [tile], "predict", share, lambda: True)
+    assert share._forward.per_tile() == before

@@ -92,8 +92,8 @@ def _forward(
     A big enough batch on a small CPU box runs as shards on single-threaded workers, which
     leave the decoders their share of the cores by themselves (models/shards.py). Other passes
     with ``share`` (a CPU device): while ``loaded()`` says requests are on their way, the pass
-    may run on fewer threads to leave cores to the decoders (clients/cores.py). Every loaded
-    pass, sharded or not, records its duration there.
+    may run on fewer threads to leave cores to the decoders (clients/cores.py). Loaded passes
+    that ran sharded or left cores record their duration there.
 
     A function of the model, not a method of the client: schedulers hold it for their loop's
     lifetime, and must not keep the client alive.
@@ -108,7 +108,12 @@ def _forward(
     with thread_count(threads if threads != all_threads else None):
         started = time.perf_counter()
         output = shards.forward(model, tiles, mode)
-    if share is not None:
+    # Recorded: passes on single-threaded workers (sharded) or on the threads left after the
+    # decoders'. A loaded pass on torch's whole team is not: beside busy decoders its wall time
+    # is the team waiting at barriers for descheduled threads (a tiny-model tile measured at
+    # 14-100 ms instead of 1-2.5), which says nothing of the pass's cost, and counted, it would
+    # keep the pass on the team for good (clients/cores.py).
+    if share is not None and (workers > 1 or threads < all_threads):
         used = workers if workers > 1 else threads  # a sharded pass: one thread per worker
         share.record_forward(len(tiles), time.perf_counter() - started, used, all_threads)
     samples = output.split()
