@@ -152,6 +152,14 @@ def test_serve_on_a_port_in_use_is_one_line(
             assert f"cannot listen on 127.0.0.1:{port}" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("spec", ["a/b=h1", "=h1"])
+def test_serve_refuses_a_model_name_that_is_not_a_route(
+    spec: str, tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["serve", "--model", spec, "--checkpoint", str(tiny_checkpoint)]) == 1
+    assert "without '/'" in capsys.readouterr().err
+
+
 def test_demo_refuses_a_tile_of_zero(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--tile", "0"]) == 1
     assert "--tile must be positive" in capsys.readouterr().err

@@ -326,6 +326,31 @@ def test_a_body_over_the_limit_is_refused_with_413_over_a_real_socket(tiny_model
         assert json.loads(client.embed(make_body(2)))["patch_idx"] == 2
 
 
+def test_a_body_declared_over_the_limit_but_never_sent_gets_its_413_in_seconds(
+    tiny_model, monkeypatch
+):
+    """A client that declares more than it sends: the server drains for a bounded time, then
+    answers, instead of holding the request until the client gives up."""
+    import socket
+
+    from histoinfer.server import app as app_module
+
+    monkeypatch.setattr(app_module, "_DRAIN_SECONDS", 0.5)
+    app = create_app(InProcessClient(tiny_model, overload="reject"), max_body_bytes=1024)
+    with (
+        thread_server(app) as small,
+        socket.create_connection(("127.0.0.1", small.port), timeout=20) as conn,
+    ):
+        started = time.monotonic()
+        conn.sendall(
+            b"POST /api/predict/h1 HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 99999999999\r\n\r\n{}"
+        )
+        answer = conn.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+        assert time.monotonic() - started < 10
+
+
 # -- max_in_flight -------------------------------------------------------------------------
 
 
@@ -586,3 +611,10 @@ async def test_a_retry_gives_its_slot_back_while_it_sleeps():
                 with anyio.fail_after(0.4):  # well inside A's 0.5 s backoff
                     await client.predict_async(make_body(1))
     assert answered == ["call 1", "call 0"]
+
+
+@pytest.mark.parametrize("model", ["h1/batch", "", "a/b"])
+def test_a_model_name_with_a_slash_is_refused(model):
+    """The server decodes %2F before routing: "h1/batch" would reach h1's batch route."""
+    with pytest.raises(ValueError, match="without '/'"):
+        HttpClient("http://127.0.0.1:1", model)

@@ -119,6 +119,9 @@ class HttpClient(ClosingContext):
     ) -> None:
         if retries < 0:
             raise ValueError(f"retries must be >= 0, got {retries}")
+        if not model or "/" in model:
+            # The server decodes %2F before routing: "h1/batch" would reach the batch route.
+            raise ValueError(f"model must be a route name without '/', got {model!r}")
         if max_in_flight is not None and (
             not isinstance(max_in_flight, int)
             or isinstance(max_in_flight, bool)

@@ -69,6 +69,16 @@ def _open(raw: bytes) -> Image.Image:
     raise UnidentifiedImageError("cannot identify image file")
 
 
+# The accepted formats' signatures: an image that starts like one but cannot be opened is
+# damaged, not of another format.
+_ACCEPTED_MAGIC = (
+    (png.SIGNATURE, "PNG"),
+    (b"\xff\xd8\xff", "JPEG"),
+    (b"II*\x00", "TIFF"),
+    (b"MM\x00*", "TIFF"),
+)
+
+
 def _unaccepted_format(raw: bytes) -> str:
     if raw[:4] == b"RIFF" and raw[8:12] == b"WEBP":
         return "WebP"
@@ -166,6 +176,9 @@ def decode_tile(
     try:
         image = _open(raw)
     except UnidentifiedImageError:
+        damaged = next((name for magic, name in _ACCEPTED_MAGIC if raw.startswith(magic)), "")
+        if damaged:
+            raise invalid(f"a damaged or truncated {damaged} image (it cannot be read)") from None
         other = _unaccepted_format(raw)
         sent = f"a {other} image" if other else "an unrecognized format"
         raise invalid(f"not a PNG, JPEG or TIFF image ({sent})") from None

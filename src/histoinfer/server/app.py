@@ -77,9 +77,12 @@ STR_KEY = "$str"
 NDJSON = "application/x-ndjson"
 
 _JSON = "application/json"
-# Past the limit the rest of the body is read and dropped (up to this much) before answering
-# 413: a client still writing would otherwise see a connection reset instead of the 413.
+# Past the limit the rest of the body is read and dropped (up to this much, for up to this
+# long) before answering 413: a client still writing would otherwise see a connection reset
+# instead of the 413. The time bound: a client that declares more than it sends would
+# otherwise hold the request until its own timeout.
 _DRAIN_CAP = 256 * 1024 * 1024
+_DRAIN_SECONDS = 5.0
 
 Status = Literal["loading", "ready", "failed", "closed"]
 
@@ -241,10 +244,11 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 async def _discard(request: Request, already: int) -> None:
     size = already
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > _DRAIN_CAP:
-            return
+    with anyio.move_on_after(_DRAIN_SECONDS):
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > _DRAIN_CAP:
+                return
 
 
 def _mode(mode: str) -> Mode:

@@ -140,6 +140,8 @@ def model_sources(args: argparse.Namespace) -> dict[str, ClientSource]:
     for spec, checkpoint, assets_dir in zip(models, checkpoints, assets, strict=True):
         name, _, key = spec.partition("=")
         key = key or name
+        if not name or "/" in name:
+            raise CommandError(f"model name {name!r} must be non-empty, without '/' (a route)")
         if name in sources:
             raise CommandError(f"model name {name!r} given twice; use NAME=KEY to rename one")
         if not checkpoint.is_file():
