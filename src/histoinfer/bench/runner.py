@@ -99,7 +99,9 @@ def quick_config(**overrides: Any) -> BenchConfig:
         min_tiles=32,
         rounds=3,
         overhead_levels=(512,),
-        overhead_requests=6_000,
+        # As many as a full run: 6,000 requests lasted ~80 ms, and one hiccup of the machine
+        # moved a round by 2-6x (a quick run read 12k, 78k and 38k req/s); 20,000 cost ~4 s.
+        overhead_requests=20_000,
         lone_calls=20,
         small_tiles=128,
         small_rounds=2,
