@@ -106,3 +106,28 @@ def test_a_body_decoded_while_the_device_runs_a_pass_is_counted(tiny_model: Serv
     # Known costs decide: a pass 45x a decode keeps every core.
     share.record_forward(10, 10 * 45 * per_tile, threads=2, all_threads=2)
     assert share.cores_to_leave(2) == 0
+
+
+def test_unknown_costs_leave_at_most_half_the_threads() -> None:
+    """4 decoders on a 4-core box: the first passes run on 2 threads, not on 1."""
+    assert CoreShare(4).cores_to_leave(all_threads=4) == 2
+    assert CoreShare(1).cores_to_leave(all_threads=4) == 1
+
+
+def test_a_choice_to_keep_every_core_is_probed_again() -> None:
+    """Only passes that leave cores teach the forward cost: while the answer is "none", one
+    pass in _PROBE leaves anyway, so one slow measurement cannot keep the choice for good."""
+    from histoinfer.clients import cores
+
+    share = share_with(forward_ms=45.0, decode_ms=1.4)  # keeps every core
+    answers = [share.cores_to_leave(2) for _ in range(3 * cores._PROBE)]
+    assert answers.count(1) == 3 and answers[cores._PROBE - 1] == 1
+
+
+def test_one_outlier_does_not_flip_the_choice() -> None:
+    share = share_with(forward_ms=2.0, decode_ms=1.0)  # leaves: 2 <= 6 * 1
+    share.record_forward(1, 0.500, threads=2, all_threads=2)  # one preempted pass: 500 ms
+    assert share.cores_to_leave(2) == 1  # counted as 6 ms at most
+    for _ in range(30):  # a lasting change still moves it
+        share.record_forward(10, 0.500, threads=2, all_threads=2)
+    assert share.cores_to_leave(2) == 0

@@ -448,6 +448,26 @@ async def test_aclose_lets_the_calls_in_flight_finish(counting_server):
         app.delay = 0.05
 
 
+@pytest.mark.anyio
+async def test_aclose_can_be_cancelled_while_it_waits(counting_server):
+    server, app = counting_server
+    app.delay = 1.0
+    try:
+        client = HttpClient(server.base_url, retries=0)
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(client.predict_async, make_body(0))
+                while app.now < 1:
+                    await anyio.sleep(0.01)
+                started = time.monotonic()
+                with anyio.move_on_after(0.1):
+                    await client.aclose()
+                assert time.monotonic() - started < 0.5  # not the 1 s the call still takes
+                assert client.closed
+    finally:
+        app.delay = 0.05
+
+
 async def run_concurrently(call: Any, n: int) -> None:
     with anyio.fail_after(60):
         async with anyio.create_task_group() as tg:

@@ -10,7 +10,9 @@ import gc
 import logging
 import random
 import threading
+import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
@@ -508,6 +510,46 @@ async def test_a_caller_cancelled_while_its_batch_waits_for_its_thread_is_left_o
             release.set()
     assert results == {2: 20} and fn.batches == [[2]]
     assert sched.stats.snapshot().cancelled == 1
+
+
+async def test_an_item_that_reached_the_batch_function_is_rerun_after_a_bisection() -> None:
+    """Its batch failed because of a neighbour, and its half waits behind other work to rerun:
+    its deadline has passed, but it reached the model in time, so it runs to completion; and a
+    neighbour that left before the batch started is out of the bisection (the failing item
+    runs alone once, not once per neighbour that left)."""
+    # (Not a DeviceThread: a job submitting to its own DeviceThread runs the work inline.)
+    worker = ThreadPoolExecutor(1)
+    calls: list[list[int]] = []
+
+    def fn(items: list[int]) -> list[int]:
+        calls.append(list(items))
+        if 17 in items:
+            worker.submit(time.sleep, 0.6)  # other work reaches the thread meanwhile
+            raise ValueError("poison")
+        return [10 * i for i in items]
+
+    release = threading.Event()
+    sched = BatchScheduler(fn, max_batch_size=8, max_wait_ms=50, thread=worker.submit)
+    results: dict[int, Any] = {}
+    scope = anyio.CancelScope()
+
+    async def leaves() -> None:
+        with scope:
+            results[2] = await sched.submit(2)
+
+    with anyio.fail_after(20):
+        worker.submit(release.wait, 10)  # so that the batch waits, and 2 can leave first
+        async with anyio.create_task_group() as tg:
+            spawn_submit(tg, sched.submit, 1, results, timeout=0.3)
+            tg.start_soon(leaves)
+            spawn_submit(tg, sched.submit, 17, results)
+            await wait_until(lambda: sched.queue_depth == 0 and sched.admitted == 3)
+            scope.cancel()
+            await wait_until(lambda: sched.admitted == 2)
+            release.set()
+    assert results[1] == 10 and isinstance(results[17], ValueError) and 2 not in results
+    assert sorted(calls[0]) == [1, 17]  # 2 left before the batch started
+    assert sorted(map(sorted, calls[1:])) == [[1], [17]]  # then each alone, once
 
 
 async def test_the_deadline_also_bounds_the_wait_for_room() -> None:

@@ -75,7 +75,17 @@ class _Left(Exception):
 
 
 class _Pending(Generic[T, R]):
-    __slots__ = ("deadline", "done", "enqueued_at", "error", "item", "refused", "result", "state")
+    __slots__ = (
+        "deadline",
+        "done",
+        "enqueued_at",
+        "error",
+        "item",
+        "refused",
+        "result",
+        "started",
+        "state",
+    )
 
     def __init__(self, item: T, now: float, deadline: float | None) -> None:
         self.item = item
@@ -83,6 +93,7 @@ class _Pending(Generic[T, R]):
         self.deadline = deadline
         self.state = _QUEUED
         self.refused = False  # the batch function returned an exception as its result
+        self.started = False  # the batch function had it once (a bisected half may rerun it)
         self.done = anyio.Event()
         self.result: R | None = None
         self.error: BaseException | None = None
@@ -356,7 +367,7 @@ class BatchScheduler(Generic[T, R]):
                 if pending.state == _QUEUED:
                     self._abandon(pending)
                     raise self._deadline_exceeded(f"{self._queued} other requests still queued")
-                if self._leave_dispatched(pending):
+                if self._leave_dispatched(pending, started_ok=False):
                     raise self._deadline_exceeded("its batch was still waiting for its thread")
                 await pending.done.wait()  # started in time: it runs to completion
         except BaseException:
@@ -364,17 +375,19 @@ class BatchScheduler(Generic[T, R]):
             if pending.state == _QUEUED:
                 self._abandon(pending)
                 self._count(self.stats.record_cancelled)
-            elif self._leave_dispatched(pending):
+            elif self._leave_dispatched(pending, started_ok=True):
                 self._count(self.stats.record_cancelled)
             raise
         if pending.error is not None:
             raise pending.error
         return pending.result  # type: ignore[return-value]
 
-    def _leave_dispatched(self, pending: _Pending[T, R]) -> bool:
+    def _leave_dispatched(self, pending: _Pending[T, R], started_ok: bool) -> bool:
         """Abandon ``pending`` if its batch is waiting for its thread (e.g. behind another job
-        on a busy device): the batch then runs without it. False once it has started."""
-        if pending.state != _DISPATCHED:
+        on a busy device): the batch then runs without it. False once it has started; and, at
+        a deadline (``started_ok`` False), for an item the batch function already had once
+        (a bisected half waiting to rerun it): it reached the model in time."""
+        if pending.state != _DISPATCHED or (pending.started and not started_ok):
             return False
         with self._start_lock:
             if pending.state != _DISPATCHED:
@@ -557,7 +570,11 @@ class BatchScheduler(Generic[T, R]):
         self._count(self.stats.queue_changed, -len(live))
         waits = [now - p.enqueued_at for p in live]
         await self._execute(live)
-        counted = [wait for p, wait in zip(live, waits, strict=True) if not p.refused]
+        counted = [
+            wait
+            for p, wait in zip(live, waits, strict=True)
+            if not p.refused and p.state != _ABANDONED  # left before it started: not run
+        ]
         if counted:
             self._count(self.stats.record_batch, len(counted), counted, time.perf_counter() - now)
 
@@ -578,6 +595,11 @@ class BatchScheduler(Generic[T, R]):
                 handoff.fire()
             if not isinstance(exc, Exception):
                 raise
+            # Callers that left before it started are out of it (nobody waits for them): a
+            # failing item must not rerun once per neighbour that left.
+            pendings = [p for p in pendings if p.state in (_DISPATCHED, _RUNNING)]
+            if not pendings:
+                return
             if len(pendings) == 1:
                 self._count(self.stats.record_error, type(exc).__name__)
                 pendings[0].resolve(error=exc)
@@ -608,6 +630,7 @@ class BatchScheduler(Generic[T, R]):
             live = [p for p in pendings if p.state == _DISPATCHED]
             for p in live:
                 p.state = _RUNNING
+                p.started = True
         results = self.batch_fn([p.item for p in live]) if live else []
         if len(results) != len(live):
             raise RuntimeError(

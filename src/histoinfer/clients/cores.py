@@ -46,6 +46,13 @@ _DECAY = 0.8
 # 6 D leaves for the one, never the other, and breaks even near a pass 5-6x its decode, where
 # decoders are busy a sixth of a pass.
 _SLACK = 6.0
+# While loaded passes keep every core, one in this many leaves the decoders' anyway: their cost
+# is learned only from passes that leave, so one slow measurement would otherwise keep the
+# choice for good. A heavy model pays ~1.7x on one small pass in 16 (ViT-S on 2 cores).
+_PROBE = 16
+# A measurement counts for at most this many times the average so far: one preempted pass
+# (a tile of the tiny model has taken 50 ms on one thread) must not flip the choice alone.
+_OUTLIER = 3.0
 
 
 class CoreShare:
@@ -59,6 +66,7 @@ class CoreShare:
         self._lock = threading.Lock()
         self._decode = _PerTile()  # one decode thread
         self._forward = _PerTile()  # normalized to every thread
+        self._kept = 0  # loaded passes that kept every core since the last that left
 
     def record_decode(self, tiles: int, seconds: float) -> None:
         with self._lock:
@@ -79,15 +87,24 @@ class CoreShare:
     def cores_to_leave(self, all_threads: int) -> int:
         """Threads a loaded forward pass (requests are on their way: queued for the next batch,
         or still being decoded) should leave free. A lone pass is not asked: it gets them all.
-        Until both costs are known, the decoders' cores (module docstring)."""
+        Until both costs are known, the decoders' cores, up to half of them (module
+        docstring); while the answer is "none", every ``_PROBE``-th pass leaves them anyway,
+        to measure again (only passes that leave cores teach the forward cost)."""
         leave = min(self.decode_threads, all_threads - 1)
         if leave <= 0:
             return 0
         with self._lock:
             forward, decode = self._forward.per_tile(), self._decode.per_tile()
-        if forward is None or decode is None:
-            return leave
-        return leave if forward * leave / (all_threads - leave) <= _SLACK * decode else 0
+            if forward is None or decode is None:
+                return min(leave, all_threads // 2)
+            if forward * leave / (all_threads - leave) <= _SLACK * decode:
+                self._kept = 0
+                return leave
+            self._kept += 1
+            if self._kept >= _PROBE:
+                self._kept = 0
+                return leave
+            return 0
 
 
 class _PerTile:
@@ -103,6 +120,9 @@ class _PerTile:
 
     def add(self, tiles: int, seconds: float) -> None:
         if tiles > 0:
+            average = self.per_tile()
+            if average is not None:
+                seconds = min(seconds, _OUTLIER * average * tiles)
             self.seconds = self.seconds * _DECAY + seconds
             self.tiles = self.tiles * _DECAY + tiles
 

@@ -212,7 +212,8 @@ class HttpClient(ClosingContext):
 
         Async pools are closed on their own loops (soon, if that loop is still running). On a
         thread whose event loop is running, calls in flight there cannot finish while close()
-        waits: it does not wait, and they end with :class:`ClientClosedError`.
+        waits: it does not wait, and calls in flight (on any thread) end with
+        :class:`ClientClosedError`; use ``await aclose()`` there.
         """
         self._calls.close()
         if not running_loop_here():
@@ -224,9 +225,10 @@ class HttpClient(ClosingContext):
             sync.close()
 
     async def aclose(self) -> None:
+        """:meth:`close` for async code; cancellable (the calls in flight then keep their pools
+        until their loops end)."""
         self._calls.close()
-        # Wait in a thread: this loop must keep running its own calls in flight meanwhile.
-        await anyio.to_thread.run_sync(self._calls.wait_idle)
+        await self._calls.wait_idle_async()
         sync, pools = self._shut()
         here = _loop_key()
         for pool in pools:

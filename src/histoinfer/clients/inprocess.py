@@ -475,8 +475,8 @@ class InProcessClient(ClosingContext):
 
     async def aclose(self) -> None:
         self._mark_closed()
-        # Wait in a thread: this loop must keep running its own in-flight requests meanwhile.
-        await anyio.to_thread.run_sync(self._wait_idle)
+        # Cancellable; this loop keeps running its own in-flight requests meanwhile.
+        await self._calls.wait_idle_async()
         await anyio.to_thread.run_sync(self._stop_threads)
 
     def __repr__(self) -> str:
@@ -551,6 +551,10 @@ class InProcessClient(ClosingContext):
         )
         try:
             [result] = await wait_future(future, start_by=start_by)
+        except anyio.get_cancelled_exc_class():
+            if future.cancelled():  # left before its pass started, as a dynamic call counts it
+                self._stats[mode].record_cancelled()
+            raise
         except Exception as exc:
             if future.cancelled():  # the device had not got to it by the deadline
                 raise self._deadline_exceeded(mode, "the device was busy with other work") from None

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from types import TracebackType
 from typing import Self
 
+import anyio
 import sniffio
 
 from ..errors import ClientClosedError
@@ -68,6 +69,12 @@ class InFlight:
     def wait_idle(self) -> None:
         with self._idle:
             self._idle.wait_for(lambda: self._active == 0)
+
+    async def wait_idle_async(self) -> None:
+        """:meth:`wait_idle` for ``aclose()``: cancellable, and this loop keeps running its own
+        calls meanwhile. (Calls end on any thread or loop, so it looks every few ms.)"""
+        while self._active:
+            await anyio.sleep(0.005)
 
 
 def running_loop_here() -> bool:

@@ -237,17 +237,21 @@ def _check_bindable(host: str, port: int) -> None:
     """Both servers bind only after the app's start-up has run (the models start loading), and
     hypercorn's failure there ends in a traceback from the lifespan's shutdown: try the address
     first, for one line and exit status 1 from either."""
+    failure: OSError | None = None
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            probe.bind(address)
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except OSError as exc:
-        raise CommandError(
-            f"cannot listen on {_authority(host, port)}: {exc.strerror or exc}"
-        ) from None
+        found, failure = [], exc
+    for family, kind, proto, _, address in found:  # one that binds is enough, as for servers
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind(address)
+            return
+        except OSError as exc:
+            failure = exc
+    why = (failure.strerror or str(failure)) if failure is not None else "no address"
+    raise CommandError(f"cannot listen on {_authority(host, port)}: {why}")
 
 
 def _run_hypercorn(app: Any, state: ServerState, args: argparse.Namespace) -> None:
