@@ -6,6 +6,7 @@ or 500), closing, and that importing it leaves torch out.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import subprocess
@@ -391,12 +392,21 @@ def counting_server() -> Iterator[tuple[ThreadServer, PeakCounter]]:
         yield s, app
 
 
+@contextlib.contextmanager
+def answering_after(app: PeakCounter, seconds: float) -> Iterator[None]:
+    """The counting server answers after ``seconds`` for the block (then as before)."""
+    app.delay = seconds
+    try:
+        yield
+    finally:
+        app.delay = 0.05
+
+
 def test_close_lets_the_calls_in_flight_finish(counting_server):
     """SPEC §5: closing finishes the work in flight and refuses new calls (before, close()
     shut the pools under them: ReadError, or ClientClosedError after a retry)."""
     server, app = counting_server
-    app.delay = 0.3
-    try:
+    with answering_after(app, 0.3):
         client = HttpClient(server.base_url, retries=0)
         results: list[object] = []
 
@@ -419,15 +429,12 @@ def test_close_lets_the_calls_in_flight_finish(counting_server):
             client.predict(make_body(0))
         for t in threads:
             t.join(10)
-    finally:
-        app.delay = 0.05
 
 
 @pytest.mark.anyio
 async def test_aclose_lets_the_calls_in_flight_finish(counting_server):
     server, app = counting_server
-    app.delay = 0.3
-    try:
+    with answering_after(app, 0.3):
         client = HttpClient(server.base_url, retries=0)
         results: list[object] = []
 
@@ -444,15 +451,12 @@ async def test_aclose_lets_the_calls_in_flight_finish(counting_server):
                 assert results == ['{"ok": true}'] * 5
         with pytest.raises(ClientClosedError):
             await client.predict_async(make_body(0))
-    finally:
-        app.delay = 0.05
 
 
 @pytest.mark.anyio
 async def test_aclose_can_be_cancelled_while_it_waits(counting_server):
     server, app = counting_server
-    app.delay = 1.0
-    try:
+    with answering_after(app, 1.0):
         client = HttpClient(server.base_url, retries=0)
         with anyio.fail_after(30):
             async with anyio.create_task_group() as tg:
@@ -464,8 +468,6 @@ async def test_aclose_can_be_cancelled_while_it_waits(counting_server):
                     await client.aclose()
                 assert time.monotonic() - started < 0.5  # not the 1 s the call still takes
                 assert client.closed
-    finally:
-        app.delay = 0.05
 
 
 async def run_concurrently(call: Any, n: int) -> None:
