@@ -87,6 +87,11 @@ async def test_problem_json_for_every_kind_of_error(tiny_model):
         p = assert_problem(await http.get("/no/such/route"), 404)
         assert p["type"] == "about:blank"
         assert_problem(await http.get("/api/predict/h1"), 405)
+        wrong = await http.post("/api/metadata/h1", content="{}")
+        assert_problem(wrong, 405)
+        assert wrong.headers["allow"] == "GET"
+        for path in ("/ping", "/health/ready", "/health/live"):
+            assert (await http.head(path)).status_code == (await http.get(path)).status_code
 
 
 async def test_body_over_the_limit_is_413(tiny_model):

@@ -25,6 +25,7 @@ import pydantic_core
 from fastapi import FastAPI, Request
 from PIL import Image
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 from .. import __version__
@@ -398,6 +399,8 @@ def create_app(
         # The body is read first even when the answer is an error: a client still writing it
         # would otherwise see the connection reset instead of the answer.
         body = await read_body(request, state.max_body_bytes)
+        if mode == "metadata":  # the metadata route, with the wrong method: not a mode
+            raise StarletteHTTPException(405, headers={"Allow": "GET"})
         checked, client = _mode(mode), state.client(model)
         return _json(await client.infer_async(body, checked))
 
@@ -455,17 +458,21 @@ def create_app(
             content["errors"] = errors
         return JSONResponse(content, status_code=200 if state.ready else 503)
 
+    # HEAD too: load balancers and uptime checkers probe with it.
     @app.get("/health/ready", tags=["health"])
+    @app.head("/health/ready", include_in_schema=False)
     async def health_ready() -> JSONResponse:
         """200 once every model is loaded and warmed up; 503 while loading or draining."""
         return readiness()
 
     @app.get("/ping", tags=["health"])
+    @app.head("/ping", include_in_schema=False)
     async def ping() -> JSONResponse:
         """SageMaker's health check: the same as ``/health/ready``."""
         return readiness()
 
     @app.get("/health/live", tags=["health"])
+    @app.head("/health/live", include_in_schema=False)
     async def health_live() -> JSONResponse:
         """200 while the process serves HTTP, even while models load."""
         return JSONResponse({"status": "alive"})
