@@ -392,3 +392,26 @@ def test_a_jpeg_or_tiff_declaring_too_many_pixels_is_refused_without_pillows_war
         with pytest.raises(InvalidRequestError, match="10000x10000, over the"):
             decode(raw)
     assert decode(declaring(32, 32)).shape == (3, 32, 32)  # the same file, honest, decodes
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        *("QUJD", "QUI=", "QQ==", "", "QUI", "QUI==", "QUI===", "QUJD=", "QUJD==", "QUJD===="),
+        *("QQ=Q", "QUI=QUI=", "QU JD", "QUJ!"),
+    ],
+)
+def test_base64_is_valid_or_not_whichever_decoder_is_installed(data: str) -> None:
+    """pybase64 (the `fast` extra) and the standard library's fallback agree on every body."""
+    pybase64 = pytest.importorskip("pybase64")
+    from histoinfer.models.imaging import _b64decode_stdlib
+
+    def outcome(decode: Any) -> object:
+        try:
+            return decode(data)
+        except ValueError:  # binascii.Error too
+            return "refused"
+
+    assert outcome(_b64decode_stdlib) == outcome(lambda d: pybase64.b64decode(d, validate=True)), (
+        data
+    )

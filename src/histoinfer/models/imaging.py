@@ -89,6 +89,16 @@ def _unaccepted_format(raw: bytes) -> str:
 
 # Optional fast paths: SIMD base64 (the `fast` extra; binascii holds the GIL for ~250 µs on a
 # 100 KB tile), and the PNG decoders of models/png.py (Wuffs, libspng), which release the GIL.
+def _b64decode_stdlib(data: str) -> bytes:
+    """binascii's strict decoding, refusing what pybase64's refuses too: padding after a
+    complete quantum ("QUJD=", "QUJD====" decode in binascii's strict mode), so that a body is
+    valid or not whichever is installed."""
+    padding = len(data) - len(data.rstrip("="))
+    if padding > 2 or (padding and len(data) % 4):
+        raise binascii.Error("Excess padding after the last quantum")
+    return binascii.a2b_base64(data, strict_mode=True)
+
+
 _b64decode: Callable[[str], bytes]
 try:
     import pybase64
@@ -97,9 +107,7 @@ try:
         return pybase64.b64decode(data, validate=True)
 
 except ImportError:  # pragma: no cover - exercised where the extra is missing
-
-    def _b64decode(data: str) -> bytes:
-        return binascii.a2b_base64(data, strict_mode=True)
+    _b64decode = _b64decode_stdlib
 
 
 def _to_tensor(pixels: torch.Tensor, tile_size: int) -> torch.Tensor:
