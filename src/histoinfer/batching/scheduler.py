@@ -58,7 +58,7 @@ from ..errors import ClientClosedError, DeadlineExceededError, InferenceError, O
 from .perloop import call_soon_in_loop, current_loop_key, wait_future
 from .stats import BatchStats
 
-__all__ = ["BatchScheduler", "Reservation"]
+__all__ = ["BatchScheduler", "Reservation", "deadline_exceeded", "deadline_from"]
 
 log = logging.getLogger("histoinfer.batching")
 
@@ -233,7 +233,7 @@ class BatchScheduler(Generic[T, R]):
         (once it has, it runs to completion).
         ``wait=False`` raises :class:`OverloadedError` instead of waiting for room.
         """
-        deadline = _deadline(timeout)
+        deadline = deadline_from(timeout)
         self._ensure_runner()
         await self._admit(wait, deadline)
         try:
@@ -252,7 +252,7 @@ class BatchScheduler(Generic[T, R]):
         the dispatch deadline, counted from now: it covers waiting for room, preparing and
         queueing, and carries over to :meth:`Reservation.submit`.
         """
-        deadline = _deadline(timeout)
+        deadline = deadline_from(timeout)
         self._ensure_runner()
         await self._admit(wait, deadline)
         self._incoming += 1
@@ -336,9 +336,7 @@ class BatchScheduler(Generic[T, R]):
 
     def _deadline_exceeded(self, detail: str) -> DeadlineExceededError:
         self._count(self.stats.record_error, "deadline")
-        return DeadlineExceededError(
-            f"{self.name}: request not dispatched within its deadline: {detail}"
-        )
+        return deadline_exceeded(self.name, detail)
 
     def _release(self) -> None:
         self._admitted -= 1
@@ -642,8 +640,15 @@ class BatchScheduler(Generic[T, R]):
         return [next(ran) if p.state == _RUNNING else _Left() for p in pendings]
 
 
-def _deadline(timeout: float | None) -> float | None:
+def deadline_from(timeout: float | None) -> float | None:
+    """``timeout`` seconds from now, on ``time.perf_counter()``'s clock (None: no deadline)."""
     return None if timeout is None else time.perf_counter() + timeout
+
+
+def deadline_exceeded(name: str, detail: str) -> DeadlineExceededError:
+    """The error of a request that did not reach its batch function in time, worded alike
+    wherever it is raised (the scheduler; ``InProcessClient``'s batch-size-1 calls)."""
+    return DeadlineExceededError(f"{name}: request not dispatched within its deadline: {detail}")
 
 
 class Reservation(Generic[T, R]):

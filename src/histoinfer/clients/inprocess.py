@@ -47,6 +47,7 @@ import torch
 from anyio._core._eventloop import threadlocals as _anyio_threadlocals
 
 from ..batching import BatchScheduler, BatchStats, PerLoop, StatsSnapshot, wait_future
+from ..batching.scheduler import deadline_exceeded, deadline_from
 from ..errors import (
     ClientClosedError,
     DeadlineExceededError,
@@ -528,7 +529,7 @@ class InProcessClient(ClosingContext):
         """Batch size 1 (``dynamic_batching=False``): decode the body, then run its tile alone.
         ``request_timeout`` bounds the wait for decoding and for the device, as a dynamic
         call's deadline does: a call not started in time never runs."""
-        start_by = _deadline(self.request_timeout)
+        start_by = deadline_from(self.request_timeout)
         limiter = state.prepare_limiter
         if self._alone(body, others=limiter.borrowed_tokens):
             job = _Job(body=body)  # decoded on the device's thread
@@ -566,11 +567,9 @@ class InProcessClient(ClosingContext):
         return job, result
 
     def _deadline_exceeded(self, mode: Mode, detail: str) -> DeadlineExceededError:
-        """As a dynamic call's scheduler words it (batching/scheduler.py), and counted alike."""
+        """As a dynamic call's scheduler words it and counts it."""
         self._stats[mode].record_error("deadline")
-        return DeadlineExceededError(
-            f"{self._model_name}:{mode}: request not dispatched within its deadline: {detail}"
-        )
+        return deadline_exceeded(f"{self._model_name}:{mode}", detail)
 
     def _alone(self, body: object, others: int) -> bool:
         """May this call skip its decode thread (module docstring)? Only with ``others`` (calls
@@ -775,10 +774,6 @@ def _check_seconds(name: str, value: object, zero_ok: bool = False, none_ok: boo
     ):
         allowed = f"a finite number {'>=' if zero_ok else '>'} 0" + (" or None" if none_ok else "")
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
-
-
-def _deadline(timeout: float | None) -> float | None:
-    return None if timeout is None else time.perf_counter() + timeout
 
 
 def _remaining(deadline: float | None) -> float | None:
