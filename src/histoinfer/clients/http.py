@@ -37,7 +37,6 @@ from urllib.parse import quote
 
 import anyio
 import anyio.lowlevel
-import anyio.to_thread
 import httpx
 import sniffio
 

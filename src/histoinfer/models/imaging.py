@@ -57,6 +57,7 @@ def _open(raw: bytes) -> Image.Image:
     does, and the size is checked by the caller before any pixel is decoded.
     """
     prefix = raw[:16]
+    recognized = ""
     for name in sorted(ACCEPTED_FORMATS):
         factory, accept = Image.OPEN[name]
         accepted = accept is None or accept(prefix)
@@ -65,18 +66,18 @@ def _open(raw: bytes) -> Image.Image:
         try:
             return factory(io.BytesIO(raw), "")
         except (SyntaxError, IndexError, TypeError, struct.error):
-            continue  # not this format after all (as Image.open decides)
+            recognized = recognized or name  # its signature, but not readable as one
+    if recognized:
+        raise _Damaged(recognized)
     raise UnidentifiedImageError("cannot identify image file")
 
 
-# The accepted formats' signatures: an image that starts like one but cannot be opened is
-# damaged, not of another format.
-_ACCEPTED_MAGIC = (
-    (png.SIGNATURE, "PNG"),
-    (b"\xff\xd8\xff", "JPEG"),
-    (b"II*\x00", "TIFF"),
-    (b"MM\x00*", "TIFF"),
-)
+class _Damaged(UnidentifiedImageError):
+    """An image with an accepted format's signature that cannot be read as one."""
+
+    def __init__(self, format_name: str) -> None:
+        super().__init__(f"a damaged or truncated {format_name} image")
+        self.format_name = format_name
 
 
 def _unaccepted_format(raw: bytes) -> str:
@@ -183,10 +184,9 @@ def decode_tile(
             return _resized(Image.fromarray(array), tile_size, interpolation)
     try:
         image = _open(raw)
+    except _Damaged as exc:
+        raise invalid(f"{exc} (it cannot be read)") from None
     except UnidentifiedImageError:
-        damaged = next((name for magic, name in _ACCEPTED_MAGIC if raw.startswith(magic)), "")
-        if damaged:
-            raise invalid(f"a damaged or truncated {damaged} image (it cannot be read)") from None
         other = _unaccepted_format(raw)
         sent = f"a {other} image" if other else "an unrecognized format"
         raise invalid(f"not a PNG, JPEG or TIFF image ({sent})") from None
