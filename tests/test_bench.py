@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from histoinfer.bench.bodies import make_bodies
 from histoinfer.bench.cli import main as bench_main
 from histoinfer.bench.isolation import Isolated, Unavailable
 from histoinfer.bench.loopback import http_unavailable, parse_metrics
-from histoinfer.bench.measure import Sample, check_responses
+from histoinfer.bench.measure import Sample, check_responses, cpu_split, thread_cpu_clocks
 from histoinfer.bench.profile import classify_stack
 from histoinfer.bench.report import write_outputs
 from histoinfer.bench.runner import (
@@ -74,6 +75,56 @@ def test_check_responses_catches_crossed_and_missing() -> None:
         check_responses(list(reversed(ok)), "p")
     with pytest.raises(RuntimeError, match="no response"):
         check_responses([ok[0], None], "p")
+
+
+def test_cpu_split_attributes_each_thread_to_its_role() -> None:
+    main = threading.main_thread().ident
+    assert main is not None
+    before = {main: ("MainThread", 1.0), 2: ("histoinfer-device-cpu", 5.0), 3: ("w", 0.5)}
+    after = {
+        main: ("MainThread", 1.25),
+        2: ("histoinfer-device-cpu", 5.5),
+        3: ("w", 0.75),
+        4: ("histoinfer-device-cpu/helper-1", 0.125),  # started meanwhile: all of it
+    }
+    split = cpu_split(before, after, process_s=1.5)
+    assert split == {"forward": 0.625, "main": 0.25, "other": 0.625}
+    # a server's CPU is its own role; what the threads do not account for is "other"
+    assert cpu_split(before, after, process_s=2.0, server_s=3.0) == {
+        "forward": 0.625,
+        "main": 0.25,
+        "other": 1.125,
+        "server": 3.0,
+    }
+    assert cpu_split(None, after, process_s=1.0) is None
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.skipif(not hasattr(time, "pthread_getcpuclockid"), reason="no thread clocks")
+def test_thread_clocks_count_a_device_threads_cpu_as_forward() -> None:
+    go, burnt, leave = threading.Event(), threading.Event(), threading.Event()
+
+    def device() -> None:
+        go.wait()
+        end = time.thread_time() + 0.05
+        while time.thread_time() < end:
+            pass
+        burnt.set()
+        leave.wait()
+
+    worker = threading.Thread(target=device, name="histoinfer-device-test")
+    worker.start()
+    try:
+        before, process0 = thread_cpu_clocks(), time.process_time()
+        go.set()
+        assert burnt.wait(20)
+        split = cpu_split(before, thread_cpu_clocks(), time.process_time() - process0)
+    finally:
+        leave.set()
+        worker.join()
+    assert split is not None
+    assert split["forward"] >= 0.045
+    assert split["main"] < 0.045  # this thread only waited
 
 
 def test_parse_metrics_sums_over_labels() -> None:
@@ -156,10 +207,17 @@ def test_run_bench_smoke_writes_json_markdown_and_plot(workdir: Path, tmp_path: 
         assert 0 < row["latency_ms"]["p50"] <= row["latency_ms"]["p99"]
         assert row["tiles"] == 8 if row["concurrency"] == 1 else row["tiles"] == 16
         assert row["cpu_ms_per_tile"] > 0
+        split = row["cpu_ms_per_tile_by_role"]
+        assert set(split) == {"forward", "main", "other"}  # no server among these paths
+        assert all(v >= 0 for v in split.values())
     raw8 = next(r for r in rows if r["path"] == "raw" and r["concurrency"] == 8)
     assert raw8["mean_batch_size"] == 8
     dynamic = next(r for r in rows if r["path"] == "dynamic-asyncio" and r["concurrency"] == 8)
     assert dynamic["mean_batch_size"] is not None and dynamic["mean_batch_size"] >= 1
+    # forward passes run on the device's thread; the event loop runs on the main thread
+    assert dynamic["cpu_ms_per_tile_by_role"]["forward"] > 0
+    assert dynamic["cpu_ms_per_tile_by_role"]["main"] > 0
+    assert raw8["cpu_ms_per_tile_by_role"]["forward"] > 0
     assert 0 < dynamic["forward_busy"] <= 1
 
     checks = {(c["name"], c["issue"]) for c in data["throughput"]["checks"]}
@@ -191,6 +249,7 @@ def test_run_bench_smoke_writes_json_markdown_and_plot(workdir: Path, tmp_path: 
 
     md = (out / "report.md").read_text()
     assert "| model | path | mode | in flight |" in md
+    assert "of which forward / main / other |" in md
     assert "## Targets (issues 3 and 5)" in md
     assert "## Scheduler overhead" in md
     assert "## Noise floor" in md

@@ -316,3 +316,43 @@ def test_aoti_package_matches_the_export_program(tmp_path: Path) -> None:
         expected = via_export.predict_with_embedding_batch(bodies)
     for a_json, b_json in zip(got, expected, strict=True):
         assert outputs_close(a_json, b_json, tol=1e-4)
+
+
+# -- reduced precision ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bf16_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("h1-tiny-bfloat16")
+    export_reference_h1("tiny", out, dtype="bfloat16")
+    return out
+
+
+def test_a_float32_program_takes_float32(tiny_model: ServerModel) -> None:
+    assert tiny_model.checkpoint.input_dtype == torch.float32
+
+
+def test_a_bfloat16_program_is_served_close_to_its_float32_twin(
+    bf16_dir: Path, reference: InProcessClient
+) -> None:
+    model = build_server_model("h1", bf16_dir / "model.pt2")
+    assert model.checkpoint.input_dtype == torch.bfloat16
+    assert model.metadata().version.endswith("-bfloat16")
+    with InProcessClient(model, dynamic_batching=False) as client:
+        bodies = [make_body(i) for i in range(3)]
+        low = client.predict_batch(bodies)
+        full = reference.predict_batch(bodies)
+    for a, b in zip(low, full, strict=True):
+        x, y = json.loads(a)["output"], json.loads(b)["output"]
+        assert len(x) == len(y)
+        # It really ran in bfloat16 (8 bits of mantissa), and it is the same model.
+        assert x != y
+        assert outputs_close(a, b, tol=0.02)
+
+
+def test_reduced_precision_and_aoti_are_refused_together(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="float32 only"):
+        export_reference_h1("tiny", tmp_path, aoti=True, dtype="bfloat16")
+    with pytest.raises(ValueError, match="unknown dtype 'int8'"):
+        export_reference_h1("tiny", tmp_path, dtype="int8")
+    assert not list(tmp_path.iterdir())  # refused before anything was written

@@ -85,6 +85,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-wait-ms", type=float, default=None)
     parser.add_argument("--seed", type=int, default=None, help="seed of the request bodies")
     parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
+        help="precision of the reference checkpoints (default float32; histoinfer export --dtype)",
+    )
+    parser.add_argument(
         "--workdir",
         type=Path,
         default=None,
@@ -128,7 +134,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
         changes["models"] = args.models
     elif args.small:
         changes["models"] = ("tiny", "small")
-    for name in ("paths", "levels", "tiles", "rounds", "max_batch_size", "max_wait_ms", "seed"):
+    names = ("paths", "levels", "tiles", "rounds", "max_batch_size", "max_wait_ms", "seed", "dtype")
+    for name in names:
         value = getattr(args, name)
         if value is not None:
             changes[name] = value

@@ -17,12 +17,24 @@ from dataclasses import dataclass
 import anyio
 
 __all__ = [
+    "CPU_ROLES",
     "Sample",
     "check_responses",
+    "cpu_split",
     "drive_async",
     "drive_threads",
     "percentile",
+    "thread_cpu_clocks",
 ]
+
+#: What a measurement's CPU is split into: ``forward`` (the device's thread and its helpers:
+#: the forward passes), ``main`` (the main thread: the event loop of an async path, the caller
+#: of the explicit loop), ``other`` (every other thread of the process: decoding, the peers'
+#: executors, sync callers; threads that ended during the measurement count here too) and
+#: ``server`` (the server process of the HTTP path). Why: two paths that run the same steps
+#: differ in where their extra CPU goes, and the total alone does not say.
+CPU_ROLES = ("forward", "main", "other", "server")
+_FORWARD_THREADS = "histoinfer-device"
 
 
 @dataclass(frozen=True)
@@ -37,6 +49,8 @@ class Sample:
     forward_busy_s: float | None = None
     #: CPU seconds spent (every thread of this process, plus a server process if any)
     cpu_s: float | None = None
+    #: ``cpu_s`` by role (``CPU_ROLES``), where this platform has per-thread CPU clocks
+    cpu_split_s: dict[str, float] | None = None
 
     @property
     def throughput(self) -> float:
@@ -52,11 +66,59 @@ class Sample:
     def cpu_ms_per_tile(self) -> float | None:
         return None if self.cpu_s is None else 1000.0 * self.cpu_s / self.tiles
 
+    def cpu_ms_per_tile_of(self, role: str) -> float | None:
+        if self.cpu_split_s is None or role not in self.cpu_split_s:
+            return None
+        return 1000.0 * self.cpu_split_s[role] / self.tiles
+
     @property
     def busy_share(self) -> float | None:
         if self.forward_busy_s is None or self.wall_s <= 0:
             return None
         return min(self.forward_busy_s / self.wall_s, 1.0)
+
+
+def thread_cpu_clocks() -> dict[int, tuple[str, float]] | None:
+    """Every live thread's name and CPU clock (s), by ident; None without per-thread clocks."""
+    getclock = getattr(time, "pthread_getcpuclockid", None)
+    if getclock is None:
+        return None
+    clocks = {}
+    for thread in threading.enumerate():
+        if thread.ident is None:
+            continue
+        try:
+            clocks[thread.ident] = (thread.name, time.clock_gettime(getclock(thread.ident)))
+        except (OSError, ValueError, OverflowError):  # it ended since enumerate()
+            continue
+    return clocks
+
+
+def cpu_split(
+    before: dict[int, tuple[str, float]] | None,
+    after: dict[int, tuple[str, float]] | None,
+    process_s: float,
+    server_s: float | None = None,
+) -> dict[str, float] | None:
+    """A measurement's CPU by role (``CPU_ROLES``), from thread clocks taken around it.
+
+    ``process_s`` is this process's CPU over the same span; what the live threads' clocks do
+    not account for (threads that ended meanwhile) counts as ``other``.
+    """
+    if before is None or after is None:
+        return None
+    main = threading.main_thread().ident
+    split = {"forward": 0.0, "main": 0.0}
+    for ident, (name, clock) in after.items():
+        spent = clock - before.get(ident, (name, 0.0))[1]  # a thread started meanwhile: all
+        if ident == main:
+            split["main"] += spent
+        elif name.startswith(_FORWARD_THREADS):
+            split["forward"] += spent
+    split["other"] = max(process_s - split["forward"] - split["main"], 0.0)
+    if server_s is not None:
+        split["server"] = server_s
+    return split
 
 
 def percentile(values: Sequence[float], q: float) -> float:

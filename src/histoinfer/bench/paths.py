@@ -51,6 +51,8 @@ class BenchPath(ABC):
     label: ClassVar[str]
     #: whether it reads ``ctx.tiles`` (decoding every body up front is wasted on the others)
     needs_tiles: ClassVar[bool] = False
+    #: whether part of it runs in another process (``external_cpu_s``: a server)
+    external: ClassVar[bool] = False
 
     def __init__(self, ctx: BenchContext) -> None:
         self.ctx = ctx
@@ -289,6 +291,7 @@ class HttpLoopback(BenchPath):
     name = "http"
     label = "HTTP loopback (histoinfer serve + HttpClient)"
     model: ClassVar[str] = "h1"
+    external = True
 
     def unavailable(self) -> str | None:
         return http_unavailable()

@@ -29,6 +29,24 @@ def _met(met: bool | None) -> str:
     return {True: "**met**", False: "not met", None: "not measured"}[met]
 
 
+_CPU_SPLIT_HEADER = "of which forward / main / other"
+_CPU_SPLIT_NOTE = (
+    "CPU ms/tile by thread: *forward* = the device's thread and its helpers (the forward "
+    "passes), *main* = the main thread (an async path's event loop, the explicit loop's "
+    "caller), *other* = every other thread (decoding, sync callers, and the external "
+    "batchers' executors, where their forward passes run), then the HTTP path's server "
+    "process. Medians over rounds, each on its own, so they need not add up."
+)
+
+
+def _cpu_split_cell(row: dict[str, Any]) -> str:
+    split = row.get("cpu_ms_per_tile_by_role") or {}
+    if not split:
+        return "–"
+    cell = " / ".join(_num(split.get(role), 2) for role in ("forward", "main", "other"))
+    return cell + (f" + {split['server']:.2f} server" if "server" in split else "")
+
+
 def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
     """A Markdown table, as lines."""
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
@@ -105,6 +123,8 @@ def markdown(report: dict[str, Any]) -> str:
     """The report as Markdown: what ran, the tables, and the targets with their results."""
     env = report["environment"]
     cfg = report["config"]
+    dtype = cfg.get("dtype", "float32")  # reports from before --dtype have none
+    precision = "" if dtype == "float32" else f", checkpoints in {dtype}"
     out = [
         "# histoinfer bench",
         "",
@@ -113,7 +133,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"{env['cpus']} CPUs, torch {env['torch']} ({env['torch_threads']} threads), "
         f"Python {env['python']}, CUDA: {env['cuda']}, commit {env['commit']}, "
         f"load average {_load(env['load_average'])} → {_load(env.get('load_average_end'))}. "
-        f"max_batch_size {cfg['max_batch_size']}, max_wait_ms {cfg['max_wait_ms']}; "
+        f"max_batch_size {cfg['max_batch_size']}, max_wait_ms {cfg['max_wait_ms']}"
+        f"{precision}; "
         f"medians over {cfg['rounds']} interleaved rounds."
         + (f" CPU forward passes: {env['cpu_passes']}." if env.get("cpu_passes") else "")
         + (
@@ -127,17 +148,17 @@ def markdown(report: dict[str, Any]) -> str:
     throughput = report.get("throughput")
     if throughput:
         headers = ["model", "path", "mode", "in flight", "tiles", "tiles/s", "p50 ms", "p95 ms"]
-        headers += ["p99 ms", "mean batch", "forward busy", "CPU ms/tile"]
+        headers += ["p99 ms", "mean batch", "forward busy", "CPU ms/tile", _CPU_SPLIT_HEADER]
         rows = [
             [row["model"], row["path"], _mode(row), str(row["concurrency"])]
             + [str(row["tiles"])]
             + [f"{row['throughput']:.1f}"]
             + [f"{row['latency_ms'][q]:.1f}" for q in ("p50", "p95", "p99")]
             + [_num(row["mean_batch_size"]), _pct(row["forward_busy"])]
-            + [_num(row.get("cpu_ms_per_tile"), 2)]
+            + [_num(row.get("cpu_ms_per_tile"), 2), _cpu_split_cell(row)]
             for row in throughput["rows"]
         ]
-        out += ["## Throughput and latency", "", *_table(headers, rows)]
+        out += ["## Throughput and latency", "", *_table(headers, rows), _CPU_SPLIT_NOTE, ""]
         for skip in throughput["skipped"]:
             out.append(f"- skipped `{skip['path']}` ({skip['model']}): {skip['reason']}")
         for note in throughput.get("notes", []):

@@ -26,7 +26,7 @@ from ..schema import MODES, Mode, parse_request
 from .bodies import make_bodies
 from .isolation import Isolated, Local, Unavailable
 from .latency import LONE_VARIANTS, LoneLatency, p50_ms
-from .measure import Sample, percentile
+from .measure import CPU_ROLES, Sample, cpu_split, percentile, thread_cpu_clocks
 from .overhead import OVERHEAD_VARIANTS, OverheadConfig, measure_overhead
 from .paths import PATHS, BenchContext, BenchPath, make_paths
 
@@ -59,6 +59,8 @@ class BenchConfig:
     rounds: int = 5
     max_batch_size: int = 64
     max_wait_ms: float = 5.0
+    #: the reference checkpoints' precision (``histoinfer export --dtype``)
+    dtype: str = "float32"
     seed: int = 0
     suites: tuple[str, ...] = ALL_SUITES
     # The small model costs ~40 ms a tile here: fewer paths, one level, fewer tiles and rounds.
@@ -113,12 +115,12 @@ def quick_config(**overrides: Any) -> BenchConfig:
 # -- setup ---------------------------------------------------------------------------------------
 
 
-def ensure_checkpoint(size: str, workdir: Path, log: Log) -> Path:
-    out = workdir / f"h1-{size}"
+def ensure_checkpoint(size: str, workdir: Path, log: Log, dtype: str = "float32") -> Path:
+    out = workdir / (f"h1-{size}" if dtype == "float32" else f"h1-{size}-{dtype}")
     checkpoint = out / "model.pt2"
     if not (checkpoint.exists() and (out / "model.json").exists()):
-        log(f"exporting the reference h1 {size} checkpoint to {out} (once) ...")
-        export_reference_h1(size, out)
+        log(f"exporting the reference h1 {size} checkpoint ({dtype}) to {out} (once) ...")
+        export_reference_h1(size, out, dtype=dtype)
     return checkpoint
 
 
@@ -167,6 +169,11 @@ def summarize(samples: Sequence[Sample]) -> dict[str, Any]:
         "mean_batch_size": _median([s.mean_batch_size for s in samples]),
         "forward_busy": _median([s.busy_share for s in samples]),
         "cpu_ms_per_tile": _median([s.cpu_ms_per_tile for s in samples]),
+        "cpu_ms_per_tile_by_role": {
+            role: value
+            for role in CPU_ROLES
+            if (value := _median([s.cpu_ms_per_tile_of(role) for s in samples])) is not None
+        },
     }
 
 
@@ -291,9 +298,13 @@ class OpenPath:
         self.info = {"label": path.label, "note": path.note}
 
     def measure(self, n: int, concurrency: int, mode: Mode = "predict") -> Sample:
-        cpu0 = time.process_time() + self.path.external_cpu_s()
+        server0, threads0 = self.path.external_cpu_s(), thread_cpu_clocks()
+        process0 = time.process_time()
         sample = self.path.measure(self.bodies[:n], concurrency, mode)
-        return replace(sample, cpu_s=time.process_time() + self.path.external_cpu_s() - cpu0)
+        process_s = time.process_time() - process0
+        threads, server_s = thread_cpu_clocks(), self.path.external_cpu_s() - server0
+        split = cpu_split(threads0, threads, process_s, server_s if self.path.external else None)
+        return replace(sample, cpu_s=process_s + server_s, cpu_split_s=split)
 
     def close(self) -> None:
         self.path.close()
@@ -351,7 +362,7 @@ def run_throughput(cfg: BenchConfig, log: Log) -> dict[str, Any]:
         levels = cfg.small_levels if small else cfg.levels
         modes = cfg.modes_of(size)
         rounds = min(cfg.rounds, cfg.small_rounds) if small else cfg.rounds
-        checkpoint = ensure_checkpoint(size, workdir, log)
+        checkpoint = ensure_checkpoint(size, workdir, log, cfg.dtype)
         n = max(cfg.tiles_at(size, level) for level in levels)
         load_bodies(n, cfg.seed, workdir, log)  # built once, cached for the processes below
         specs = [
@@ -511,7 +522,7 @@ def run_latency(cfg: BenchConfig, log: Log) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     checks: list[Check] = []
     for size in cfg.models:
-        checkpoint = ensure_checkpoint(size, workdir, log)
+        checkpoint = ensure_checkpoint(size, workdir, log, cfg.dtype)
         n = max(cfg.tiles_at(size, 1), 16)
         load_bodies(n, cfg.seed, workdir, log)  # built once, cached for the processes below
         calls = cfg.lone_calls if size != "small" else max(cfg.lone_calls // 3, 10)

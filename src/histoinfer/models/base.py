@@ -250,6 +250,9 @@ class ServerModel:
         return output.clone() if self._input_buffer.holds(output) else output
 
     def _run_program(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if x.dtype != self.checkpoint.input_dtype:
+            # A reduced-precision program: normalized in float32, then cast, once per batch.
+            x = x.to(self.checkpoint.input_dtype)
         result = self.checkpoint.program(x)
         if not isinstance(result, Sequence) or len(result) != 2:
             raise CheckpointError(

@@ -46,6 +46,9 @@ class LoadedCheckpoint:
     kind: CheckpointKind
     sha256: str
     program: Program
+    #: The floating dtype the program's input is in: a ``torch.export`` program exported in
+    #: bfloat16 or float16 takes its batch in that dtype; float32 otherwise (docs/checkpoints.md).
+    input_dtype: torch.dtype = torch.float32
 
 
 def file_sha256(path: Path) -> str:
@@ -123,6 +126,23 @@ def _load_program(path: Path, kind: CheckpointKind, device: torch.device) -> Pro
         return program  # type: ignore[no-any-return]
 
 
+def input_dtype(program: object) -> torch.dtype:
+    """The floating dtype a ``torch.export`` program's (first) input was traced with.
+
+    Read from the traced graph, where each input carries the example it was traced with. An
+    AOTInductor package does not say, so it is taken to want float32, as the contract says.
+    """
+    graph = getattr(program, "graph", None)
+    for node in getattr(graph, "nodes", ()):
+        if node.op == "placeholder":
+            example = node.meta.get("val")
+            dtype = getattr(example, "dtype", None)
+            if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+                return dtype
+            break
+    return torch.float32
+
+
 def first_line(exc: BaseException) -> str:
     """The first line of an exception's message (torch's run to pages), or its type."""
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
@@ -140,4 +160,10 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> Loa
             f"checkpoint {path} ({kind}) could not be loaded on device {str(resolved)!r}: "
             f"{first_line(exc)}"
         ) from exc
-    return LoadedCheckpoint(path=path, kind=kind, sha256=file_sha256(path), program=program)
+    return LoadedCheckpoint(
+        path=path,
+        kind=kind,
+        sha256=file_sha256(path),
+        program=program,
+        input_dtype=input_dtype(program),
+    )

@@ -25,7 +25,13 @@ from .genes import REFERENCE_GENE_PANEL
 from .registry import register_model
 from .vit import VIT_SIZES, GeneViT
 
-__all__ = ["H1ServerModel", "ReferenceExport", "export_reference_h1", "reference_assets"]
+__all__ = [
+    "REFERENCE_DTYPES",
+    "H1ServerModel",
+    "ReferenceExport",
+    "export_reference_h1",
+    "reference_assets",
+]
 
 IMAGENET_MEAN = [0.485, 0.456, 0.406]
 IMAGENET_STD = [0.229, 0.224, 0.225]
@@ -43,11 +49,16 @@ class H1ServerModel(ServerModel):
     """Gene expression from a 224x224 H&E tile at 0.5 µm/px, plus the tile embedding."""
 
 
-def reference_assets(size: str) -> ModelAssets:
+#: The dtypes a reference checkpoint can be exported in (``histoinfer export --dtype``).
+REFERENCE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def reference_assets(size: str, dtype: str = "float32") -> ModelAssets:
     config = VIT_SIZES[size]
+    precision = "" if dtype == "float32" else f"-{dtype}"
     return ModelAssets(
         name="h1",
-        version=f"0.1.0-reference-{size}",
+        version=f"0.1.0-reference-{size}{precision}",
         task="gene-expression",
         tile_size=config.tile_size,
         resolution=0.5,
@@ -58,7 +69,13 @@ def reference_assets(size: str) -> ModelAssets:
         embedding_size=config.dim,
         trained=False,
         description=UNTRAINED_NOTE,
-        architecture={"family": "vit", "size": size, "seed": REFERENCE_SEED, **config.as_dict()},
+        architecture={
+            "family": "vit",
+            "size": size,
+            "seed": REFERENCE_SEED,
+            "dtype": dtype,
+            **config.as_dict(),
+        },
     )
 
 
@@ -77,15 +94,27 @@ def build_reference_module(size: str) -> GeneViT:
     return module.init_seeded(REFERENCE_SEED).eval()
 
 
-def export_reference_h1(size: str, out_dir: str | Path, *, aoti: bool = False) -> ReferenceExport:
-    """Write ``model.pt2`` (torch.export), ``model.json`` and, with ``aoti``, ``model-aoti.pt2``."""
+def export_reference_h1(
+    size: str, out_dir: str | Path, *, aoti: bool = False, dtype: str = "float32"
+) -> ReferenceExport:
+    """Write ``model.pt2`` (torch.export), ``model.json`` and, with ``aoti``, ``model-aoti.pt2``.
+
+    ``dtype`` other than float32 exports the same seeded weights rounded to bfloat16 or
+    float16; the program then takes its batch in that dtype (the clients cast it).
+    """
+    if dtype not in REFERENCE_DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(REFERENCE_DTYPES)}")
+    if aoti and dtype != "float32":
+        # An AOTInductor package does not say which dtype it takes: float32 only (checkpoint.py).
+        raise ValueError("an AOTInductor package is exported in float32 only")
     start = time.perf_counter()
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
-    module = build_reference_module(size)
+    torch_dtype = getattr(torch, dtype)
+    module = build_reference_module(size).to(torch_dtype)
     tile = module.config.tile_size
     # An example batch of 2: with a batch of 1, torch.export would freeze the batch size.
-    example = torch.zeros(2, 3, tile, tile)
+    example = torch.zeros(2, 3, tile, tile, dtype=torch_dtype)
     batch = torch.export.Dim("batch", min=1, max=4096)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
@@ -102,7 +131,8 @@ def export_reference_h1(size: str, out_dir: str | Path, *, aoti: bool = False) -
                 inductor.aoti_compile_and_package(program, package_path=str(partial))
     assets_path = out / ASSETS_FILE
     with _partial(assets_path) as partial:
-        partial.write_text(json.dumps(reference_assets(size).model_dump(), indent=2) + "\n")
+        assets = reference_assets(size, dtype).model_dump()
+        partial.write_text(json.dumps(assets, indent=2) + "\n")
     return ReferenceExport(checkpoint, assets_path, aoti_path, time.perf_counter() - start)
 
 
