@@ -12,7 +12,7 @@ measure: ``dynamic`` (512 bodies at once, ``predict_async``, asyncio), ``explici
 (the bodies with 8 in flight) and ``bs1`` (all at once, ``dynamic_batching=False``).
 Prints each version's median and B / A.
 
-Why this shape (docs/benchmarks.md, "Session 6"): the machine's load drifts by 2x within
+Why this shape (docs/benchmarks-history.md, "Session 6"): the machine's load drifts by 2x within
 minutes, so versions are interleaved, never run one after the other. And identical processes
 started one after another measured faster the later they started (586, 599, 609 and 619
 tiles/s for four copies of the same code), so the workers start in the order A B B A, which

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""How a second thread's OpenMP team slows torch on the CPU (docs/benchmarks.md, session 3).
+"""How a second thread's OpenMP team slows torch on the CPU (docs/benchmarks-history.md, session 3).
 
 Times a forward pass of one tile on the device's forward thread (where the clients run every
 forward pass, models/device_thread.py) and the explicit ``predict_batch`` loop over 512 tiles:

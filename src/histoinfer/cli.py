@@ -45,7 +45,7 @@ def _add_export(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "--dtype",
         choices=["float32", "bfloat16", "float16"],
         default="float32",
-        help="the program's precision (default float32; bfloat16 is ~1.5x faster on CPUs "
+        help="the program's precision (default float32; bfloat16 is ~1.3-1.5x faster on CPUs "
         "with AMX, and on GPUs; not with --aoti)",
     )
     p.add_argument("--out", type=Path, required=True, help="output directory")

@@ -109,7 +109,7 @@ class _Handoff(Generic[T, R]):
     starts the next batch, or by the runner before it waits for anything. Waking them first
     would let them run (serialize responses, send new requests) before the runner hands the
     next batch over, since ``to_thread.run_sync`` yields to the loop first: the device would
-    idle ~7% of the time at 512 in flight (docs/benchmarks.md). Fired once, in the loop."""
+    idle ~7% of the time at 512 in flight (docs/benchmarks-history.md). Fired once, in the loop."""
 
     __slots__ = ("fired", "pendings", "results")
 

@@ -100,7 +100,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--shared-process",
         action="store_true",
         help="measure every path in this process instead of one process each: starts faster, "
-        "but paths slow each other down (OpenMP; see docs/benchmarks.md)",
+        "but paths slow each other down (OpenMP; see docs/benchmarks-history.md)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
     parser.set_defaults(_bench_parser=parser)

@@ -4,12 +4,13 @@ Why: torch's CPU build runs its parallel ops on libgomp, which keeps one team of
 threads *per thread that has run a parallel op*, alive as long as that thread. Once a process
 holds more OpenMP threads than CPUs, libgomp stops spin-waiting between parallel regions
 (``GOMP_SPINCOUNT``: 300,000 spins become 100), and every team pays a futex wake-up per region.
-Measured here (docs/benchmarks.md): the explicit ``predict_batch`` loop ran at 470 tiles/s in a
-process where only its own thread had run torch ops and at 431 once one more thread had, and a
-forward pass of one tile took 2.0 ms instead of 3.0. Measuring every path in one process let the
-paths measured before (whose worker threads linger: trio's thread cache keeps them 10 s) slow
-down the ones after — the explicit loop and the raw forward most, which made dynamic batching
-look up to ~10% better than it is. A user runs one of these paths in their process, not all.
+Measured here (docs/benchmarks-history.md, "Session 3"): the explicit ``predict_batch`` loop
+ran at 470 tiles/s in a process where only its own thread had run torch ops and at 431 once one
+more thread had, and a forward pass of one tile took 2.0 ms instead of 3.0. Measuring every
+path in one process let the paths measured before (whose worker threads linger: trio's thread
+cache keeps them 10 s) slow down the ones after — the explicit loop and the raw forward most,
+which made dynamic batching look up to ~10% better than it is. A user runs one of these paths
+in their process, not all.
 
 The parent keeps the interleaved rounds (every ratio is still taken within a round); a child
 process builds its own model, bodies and path from the on-disk cache, and answers calls over a
@@ -124,7 +125,7 @@ def _serve(conn: Connection, factory: Callable[..., Any], args: tuple[Any, ...])
     # Freeze the start-up heap (~330k objects from torch, the model and the bodies): a full
     # garbage collection scans it in ~170 ms, and one landing inside a measurement of ~1 s cost
     # that path alone 10-15% (seen: the explicit loop 408 vs 470 tiles/s in one of 4 reps).
-    # Services can do the same once their models are loaded (docs/benchmarks.md).
+    # Services can do the same once their models are loaded (docs/benchmarks-history.md).
     gc.collect()
     gc.freeze()
     conn.send(("ready", {**getattr(obj, "info", {}), "pid": os.getpid()}))

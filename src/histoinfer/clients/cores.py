@@ -5,7 +5,7 @@ pass on ``torch.get_num_threads()`` OpenMP threads (every core, by default), and
 OpenMP team in the process (models/device_thread.py) libgomp's workers spin for ~5 ms after
 each parallel region: they hold every core for the whole pass and a little after, and a decode
 thread running meanwhile gets its core in slices. On 2 cores that cost dynamic batching of the
-tiny model 4.4-5 ms of CPU a tile instead of 3.3-3.6 (docs/benchmarks.md, "Session 4").
+tiny model 4.4-5 ms of CPU a tile instead of 3.3-3.6 (docs/benchmarks-history.md, "Session 4").
 
 Leaving the decoders their cores (running the pass on fewer threads) only pays when decoding is
 a real share of the work. Per tile, with ``t`` threads, ``k`` of them left, a forward pass
@@ -24,7 +24,7 @@ both are known, cores are left: a pass on ``t - k`` threads costs at most ``t / 
 its time, while an OpenMP team beside busy decoders costs far more: on 2 cores, a pass of 1-15
 tiles of the tiny model took 3-4.5x as long on both threads as on one beside two busy threads
 (14 against 5 ms for one tile, 115 against 26 for 15), and the first pass of a burst, one tile,
-58-208 ms (docs/benchmarks.md, "Session 8"). A loaded pass on torch's whole team is not
+58-208 ms (docs/benchmarks-history.md, "Session 8"). A loaded pass on torch's whole team is not
 recorded: beside busy decoders its wall time is that very contention (a tile of the tiny model
 at batch size 1 measured 14-100 ms), and counted, it made the choice stick to the team for good
 once made. Wall times under load still include some contention (hence the slack, ``_SLACK``).

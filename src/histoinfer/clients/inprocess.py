@@ -75,8 +75,9 @@ Prepared = tuple[ModelRequest, torch.Tensor]
 Decoded = Prepared | InvalidRequestError
 
 # Most bodies decoded in one worker-thread hop. A hop costs ~140 µs of CPU on asyncio and
-# ~165 µs on trio (wake-ups and handoffs, measured: docs/benchmarks.md), a seventh of a decode;
-# chunks only form when bodies queue up, so a lone request still takes one hop on its own.
+# ~165 µs on trio (wake-ups and handoffs, measured: docs/benchmarks-history.md), a seventh
+# of a decode; chunks only form when bodies queue up, so a lone request still takes one hop
+# on its own.
 DECODE_CHUNK = 8
 
 
@@ -323,7 +324,7 @@ class InProcessClient(ClosingContext):
         batch_decode_threads: threads that decode the bodies of one ``*_batch`` call (default
             1: in the calling thread, one after another). More decode a batch in parallel
             before its forward pass: ~1.25x the throughput of ``predict_batch`` with 2 on 2
-            cores (docs/benchmarks.md). Results are the same either way.
+            cores (docs/benchmarks-history.md). Results are the same either way.
     """
 
     def __init__(
@@ -742,7 +743,7 @@ def _default_prepare_threads(model: ServerModel) -> int:
     workers spin between ops); more decoders than the remaining cores oversubscribe the
     machine and slow the pass down more than they gain. A sharded pass (models/shards.py)
     spins nowhere, so decoders and parts share every core: on 2 cores, 2 decode threads gave
-    dynamic batching 1.20-1.22x the explicit loop, 1 thread 1.15x (docs/benchmarks.md,
+    dynamic batching 1.20-1.22x the explicit loop, 1 thread 1.15x (docs/benchmarks-history.md,
     "Session 5"). On an accelerator the CPU is free for decoding.
     """
     cores = os.cpu_count() or 2

@@ -4,8 +4,8 @@ Why: a float32 batch of 64 tiles of 224 px is 38.5 MB. glibc serves an allocatio
 with a fresh ``mmap`` (above its 32 MB ceiling for the heap), and hands it back with ``munmap``
 when freed, so every batch page-faulted all 9,400 of its pages in again: converting and
 normalizing a batch of 64 took ~12.8 ms on one core instead of ~4.7 ms into a reused tensor
-(docs/benchmarks.md). CUDA's caching allocator already reuses device memory, so only CPU batches
-lease the buffer.
+(docs/benchmarks-history.md). CUDA's caching allocator already reuses device memory, so only CPU
+batches lease the buffer.
 
 A CPU forward pass may run as shards on several threads at once (models/shards.py), so the
 buffer is a small pool: as many tensors as passes have ever run at the same time, each grown to

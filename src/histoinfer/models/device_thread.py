@@ -5,7 +5,7 @@ Why one thread, and not whichever worker thread is free: torch's CPU kernels run
 op. Once a process holds more OpenMP threads than CPUs, every team stops spin-waiting between
 parallel regions (``GOMP_SPINCOUNT`` 300,000 -> 100) and each region pays a futex wake-up: a
 forward pass of one tile of the tiny model took 5.4 ms instead of 2.4 on 2 cores
-(docs/benchmarks.md, "OpenMP regimes"). Forward passes that land on arbitrary worker threads
+(docs/benchmarks-history.md, "OpenMP regimes"). Forward passes that land on arbitrary worker threads
 (anyio's, the decode threads', the thread that loaded the model) leave a team on each of them.
 Running the load-time probe and every forward pass of the clients on this one thread leaves one
 team per device, whatever else the process does.

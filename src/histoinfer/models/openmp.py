@@ -6,11 +6,11 @@ count, which is what a forward pass that should leave cores to the decoding thre
 reached through ``ctypes`` in the libgomp that torch loaded (Linux builds of torch); elsewhere,
 or with more than one OpenMP runtime loaded, :func:`thread_count` changes nothing.
 
-Why it matters on a small CPU box (docs/benchmarks.md, "Session 4"): with a single OpenMP team
-in the process, libgomp's workers spin for a long while between parallel regions (its default
-``GOMP_SPINCOUNT``). That makes a forward pass of one tile fast (2.3 ms on 2 cores instead of
-5.4 once they stop spinning), but while other threads decode the next batch, the spinning steals
-their core: dynamic batching on 2 cores spent 4.4-5 ms of CPU a tile instead of 3.3-3.6.
+Why it matters on a small CPU box (docs/benchmarks-history.md, "Session 4"): with a single OpenMP
+team in the process, libgomp's workers spin for a long while between parallel regions (its default
+``GOMP_SPINCOUNT``). That makes a forward pass of one tile fast (2.3 ms on 2 cores instead of 5.4
+once they stop spinning), but while other threads decode the next batch, the spinning steals their
+core: dynamic batching on 2 cores spent 4.4-5 ms of CPU a tile instead of 3.3-3.6.
 """
 
 from __future__ import annotations

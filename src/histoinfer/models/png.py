@@ -3,7 +3,7 @@
 Why: after the forward pass, decoding is the biggest CPU cost of a request (on the bench's
 224 px tiles, ~0.9 ms a tile with libspng against ~1.7 ms of forward pass), and on a small box
 it runs on the same cores as the forward pass. Wuffs (the ``wuffs`` extra: ``pywuffs``, built
-from source) is ~25% faster than libspng (680 vs 920 µs a tile, docs/benchmarks.md,
+from source) is ~25% faster than libspng (680 vs 920 µs a tile, docs/benchmarks-history.md,
 "Session 6"), and it is memory-safe by construction, which suits a server that decodes what
 strangers send. Both release the GIL while they decode.
 

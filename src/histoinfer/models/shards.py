@@ -8,7 +8,7 @@ every region, holding the cores the decode threads need. Splitting the batch int
 run whole on single-threaded workers, each pulling the next part when it is done, needs no
 barrier and no spinning: the parts' threads and the decoders share the cores through the OS
 scheduler, and nothing spins while another thread waits for a core. Measured on 2 cores
-(docs/benchmarks.md, "Session 5"): a batch of 64 alone 0.92-0.98 ms a tile against 1.02-1.12
+(docs/benchmarks-history.md, "Session 5"): a batch of 64 alone 0.92-0.98 ms a tile against 1.02-1.12
 with OpenMP; dynamic batching of the tiny model +9-15%, 1.20-1.22x the (also sharded) explicit
 loop where it was 1.11-1.15x; the small model (ViT-S) +14-18% on every path.
 

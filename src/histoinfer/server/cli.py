@@ -195,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
 def freeze_startup_heap() -> None:
     """Move everything allocated so far (torch, the models: ~330k objects) out of the garbage
     collector's reach: a full collection otherwise scans it all, a ~125-170 ms pause that
-    lands on whichever requests are in flight (docs/benchmarks.md, "Session 4")."""
+    lands on whichever requests are in flight (docs/benchmarks-history.md, "Session 4")."""
     gc.collect()
     gc.freeze()
     log.info("start-up heap frozen: %d objects out of the collector's scans", gc.get_freeze_count())
