@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import threading
 import time
 from pathlib import Path
@@ -21,7 +22,13 @@ from histoinfer.bench.bodies import make_bodies
 from histoinfer.bench.cli import main as bench_main
 from histoinfer.bench.isolation import Isolated, Unavailable
 from histoinfer.bench.loopback import http_unavailable, parse_metrics
-from histoinfer.bench.measure import Sample, check_responses, cpu_split, thread_cpu_clocks
+from histoinfer.bench.measure import (
+    NATIVE_THREAD,
+    Sample,
+    check_responses,
+    cpu_split,
+    thread_cpu_clocks,
+)
 from histoinfer.bench.profile import classify_stack
 from histoinfer.bench.report import write_outputs
 from histoinfer.bench.runner import (
@@ -78,25 +85,44 @@ def test_check_responses_catches_crossed_and_missing() -> None:
 
 
 def test_cpu_split_attributes_each_thread_to_its_role() -> None:
-    main = threading.main_thread().ident
+    main = threading.main_thread().native_id
     assert main is not None
-    before = {main: ("MainThread", 1.0), 2: ("histoinfer-device-cpu", 5.0), 3: ("w", 0.5)}
+    before = {
+        main: ("MainThread", 1.0),
+        2: ("histoinfer-device-cpu", 5.0),
+        3: ("w", 0.5),
+        5: (NATIVE_THREAD, 2.0),  # torch's OpenMP worker: forward passes
+        6: ("ended", 9.0),
+    }
     after = {
         main: ("MainThread", 1.25),
         2: ("histoinfer-device-cpu", 5.5),
         3: ("w", 0.75),
         4: ("histoinfer-device-cpu/helper-1", 0.125),  # started meanwhile: all of it
+        5: (NATIVE_THREAD, 2.25),
+        6: ("histoinfer-device-cpu/helper-2", 0.0625),  # a new thread with an ended one's id
     }
-    split = cpu_split(before, after, process_s=1.5)
-    assert split == {"forward": 0.625, "main": 0.25, "other": 0.625}
+    split = cpu_split(before, after, process_s=1.75)
+    assert split == {"forward": 0.9375, "main": 0.25, "other": 0.5625}
     # a server's CPU is its own role; what the threads do not account for is "other"
-    assert cpu_split(before, after, process_s=2.0, server_s=3.0) == {
-        "forward": 0.625,
+    assert cpu_split(before, after, process_s=2.25, server_s=3.0) == {
+        "forward": 0.9375,
         "main": 0.25,
-        "other": 1.125,
+        "other": 1.0625,
         "server": 3.0,
     }
     assert cpu_split(None, after, process_s=1.0) is None
+
+
+@pytest.mark.skipif(sys.platform != "linux" or torch.get_num_threads() < 2, reason="OpenMP team")
+def test_thread_clocks_see_torchs_own_workers() -> None:
+    """A pass on torch's team runs partly on threads Python does not know: they are listed."""
+    main = threading.main_thread().native_id
+    with torch.inference_mode():
+        torch.ones(512, 512) @ torch.ones(512, 512)  # a parallel op: the team exists
+    clocks = thread_cpu_clocks()
+    assert clocks is not None and main in clocks
+    assert any(name == NATIVE_THREAD for name, _ in clocks.values())
 
 
 @pytest.mark.timeout(30)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import warnings
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -18,8 +19,10 @@ from torch import nn
 from histoinfer import InProcessClient, ServerModel, available_models, build_server_model
 from histoinfer.errors import InferenceError, InvalidRequestError
 from histoinfer.models import CheckpointError, load_checkpoint, registry
-from histoinfer.models.checkpoint import sniff_kind
+from histoinfer.models.checkpoint import AOTI_INPUT_DTYPE_KEY, input_dtype, sniff_kind
+from histoinfer.models.genes import REFERENCE_GENE_PANEL
 from histoinfer.models.h1 import H1ServerModel, export_reference_h1
+from histoinfer.models.vit import VIT_SIZES
 
 
 @pytest.fixture
@@ -225,13 +228,19 @@ class _OneOutput(nn.Module):
         return x.mean(dim=(2, 3))
 
 
-def test_program_with_the_wrong_outputs(copy_of_tiny: Path) -> None:
-    path = copy_of_tiny / "model.pt2"
+def save_program(module: nn.Module, folder: Path) -> Path:
+    """``module`` exported over ``folder``'s ``model.pt2`` (a 224 px tile batch, dynamic)."""
+    path = folder / "model.pt2"
     batch = torch.export.Dim("batch", min=1, max=64)
     program = torch.export.export(
-        _OneOutput(), (torch.zeros(2, 3, 224, 224),), dynamic_shapes={"x": {0: batch}}
+        module, (torch.zeros(2, 3, 224, 224),), dynamic_shapes={"x": {0: batch}}
     )
     torch.export.save(program, str(path))
+    return path
+
+
+def test_program_with_the_wrong_outputs(copy_of_tiny: Path) -> None:
+    path = save_program(_OneOutput(), copy_of_tiny)
     raises_naming(path, lambda: build_server_model("h1", path), "(predictions, embedding)")
 
 
@@ -281,6 +290,7 @@ def test_aoti_package_matches_the_export_program(tmp_path: Path) -> None:
     aoti = build_server_model("h1", export.aoti_checkpoint)
     program = build_server_model("h1", export.checkpoint)
     assert aoti.metadata().checkpoint_kind == "aoti"
+    assert aoti.checkpoint.input_dtype == torch.float32  # recorded in the package's metadata
     assert aoti.metadata().checkpoint_sha256 != program.metadata().checkpoint_sha256
 
     # Same outputs, at several batch sizes (the batch dimension stays dynamic).
@@ -350,9 +360,73 @@ def test_a_bfloat16_program_is_served_close_to_its_float32_twin(
         assert outputs_close(a, b, tol=0.02)
 
 
-def test_reduced_precision_and_aoti_are_refused_together(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="float32 only"):
-        export_reference_h1("tiny", tmp_path, aoti=True, dtype="bfloat16")
+def test_an_unknown_dtype_is_refused_before_anything_is_written(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown dtype 'int8'"):
         export_reference_h1("tiny", tmp_path, dtype="int8")
-    assert not list(tmp_path.iterdir())  # refused before anything was written
+    assert not list(tmp_path.iterdir())
+
+
+class _Package:
+    """What the loader asks of an AOTInductor package: its metadata."""
+
+    def __init__(self, metadata: dict[str, str]) -> None:
+        self.metadata = metadata
+
+    def get_metadata(self) -> dict[str, str]:
+        return self.metadata
+
+
+def test_an_aoti_package_takes_the_dtype_its_metadata_records() -> None:
+    assert input_dtype(_Package({})) == torch.float32  # the contract's, when it says nothing
+    assert input_dtype(_Package({AOTI_INPUT_DTYPE_KEY: "bfloat16"})) == torch.bfloat16
+    for wrong in ("int8", "banana"):
+        with pytest.raises(ValueError, match=f"{AOTI_INPUT_DTYPE_KEY}='{wrong}'"):
+            input_dtype(_Package({AOTI_INPUT_DTYPE_KEY: wrong}))
+
+
+class _ConvHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 16, 16)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.conv(x).flatten(1)
+        return y, y
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_bfloat16_aoti_package_that_records_its_dtype_gets_bfloat16(tmp_path: Path) -> None:
+    import torch._inductor as inductor
+
+    module = _ConvHead().eval().to(torch.bfloat16)
+    batch = torch.export.Dim("batch", min=1, max=16)
+    example = torch.randn(2, 3, 32, 32, dtype=torch.bfloat16)
+    program = torch.export.export(module, (example,), dynamic_shapes={"x": {0: batch}})
+    path = tmp_path / "bf16.pt2"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch's own internals
+        inductor.aoti_compile_and_package(
+            program,
+            package_path=str(path),
+            inductor_configs={"aot_inductor.metadata": {AOTI_INPUT_DTYPE_KEY: "bfloat16"}},
+        )
+    loaded = load_checkpoint(path)
+    assert loaded.kind == "aoti" and loaded.input_dtype == torch.bfloat16
+    x = torch.randn(3, 3, 32, 32)
+    got = loaded.program(x.to(loaded.input_dtype))
+    torch.testing.assert_close(got[0], module(x.bfloat16())[0])
+
+
+class _NonFinite(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = x.mean(dim=(1, 2, 3))[:, None]
+        genes, dim = len(REFERENCE_GENE_PANEL), VIT_SIZES["tiny"].dim
+        return rows.expand(-1, genes) * float("nan"), rows.expand(-1, dim).clone()
+
+
+def test_a_program_answering_nan_is_refused_at_load(copy_of_tiny: Path) -> None:
+    path = save_program(_NonFinite(), copy_of_tiny)
+    raises_naming(
+        path, lambda: build_server_model("h1", path), "non-finite predictions", "Reduced precision"
+    )

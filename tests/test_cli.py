@@ -100,15 +100,6 @@ def test_export_into_a_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFi
     assert_one_line_error(code, err, str(blocker))
 
 
-def test_export_refuses_a_reduced_precision_aoti_package(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    argv = ["export", "h1", "--dtype", "bfloat16", "--aoti", "--out", str(tmp_path / "x")]
-    code, _, err = run(argv, capsys)
-    assert code == 2 and "--aoti exports float32 only" in err
-    assert not (tmp_path / "x").exists()
-
-
 def test_debug_shows_the_real_exception(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError):
         main(["--debug", "metadata", "--checkpoint", str(tmp_path / "missing.pt2")])

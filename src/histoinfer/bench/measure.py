@@ -8,7 +8,9 @@ forward pass was busy.
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -18,6 +20,7 @@ import anyio
 
 __all__ = [
     "CPU_ROLES",
+    "NATIVE_THREAD",
     "Sample",
     "check_responses",
     "cpu_split",
@@ -27,12 +30,12 @@ __all__ = [
     "thread_cpu_clocks",
 ]
 
-#: What a measurement's CPU is split into: ``forward`` (the device's thread and its helpers:
-#: the forward passes), ``main`` (the main thread: the event loop of an async path, the caller
-#: of the explicit loop), ``other`` (every other thread of the process: decoding, the peers'
-#: executors, sync callers; threads that ended during the measurement count here too) and
-#: ``server`` (the server process of the HTTP path). Why: two paths that run the same steps
-#: differ in where their extra CPU goes, and the total alone does not say.
+#: What a measurement's CPU is split into: ``forward`` (the device's thread and its helpers,
+#: and on Linux torch's own OpenMP workers: the forward passes), ``main`` (the main thread: the
+#: event loop of an async path, the caller of the explicit loop), ``other`` (every other thread
+#: of the process: decoding, the peers' executors, sync callers; threads that ended during the
+#: measurement count here too) and ``server`` (the server process of the HTTP path). Why: two
+#: paths that run the same steps differ in where their extra CPU goes; the total does not say.
 CPU_ROLES = ("forward", "main", "other", "server")
 _FORWARD_THREADS = "histoinfer-device"
 
@@ -78,18 +81,43 @@ class Sample:
         return min(self.forward_busy_s / self.wall_s, 1.0)
 
 
+#: The name given to threads Python does not know (torch's OpenMP workers, on Linux).
+NATIVE_THREAD = ""
+
+
+def _linux_thread_clock(tid: int) -> float:
+    # Linux's per-thread CPU clock id for any thread of this process (MAKE_THREAD_CPUCLOCK).
+    return time.clock_gettime((~tid << 3) | 6)
+
+
 def thread_cpu_clocks() -> dict[int, tuple[str, float]] | None:
-    """Every live thread's name and CPU clock (s), by ident; None without per-thread clocks."""
+    """Every thread's name and CPU clock (s), by native thread id; None where unavailable.
+
+    On Linux every thread of the process counts, including the ones Python does not know
+    (torch's OpenMP workers, named ``NATIVE_THREAD``): a forward pass on torch's team runs
+    there. Elsewhere, Python's threads only.
+    """
+    named = {t.native_id: t for t in threading.enumerate() if t.native_id is not None}
+    clocks = {}
+    try:
+        tids = [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = []
+    if tids and sys.platform == "linux":
+        for tid in tids:
+            thread = named.get(tid)
+            try:
+                clocks[tid] = (thread.name if thread else NATIVE_THREAD, _linux_thread_clock(tid))
+            except OSError:  # it ended since the listing
+                continue
+        return clocks
     getclock = getattr(time, "pthread_getcpuclockid", None)
     if getclock is None:
         return None
-    clocks = {}
-    for thread in threading.enumerate():
-        if thread.ident is None:
-            continue
+    for tid, thread in named.items():
         try:
-            clocks[thread.ident] = (thread.name, time.clock_gettime(getclock(thread.ident)))
-        except (OSError, ValueError, OverflowError):  # it ended since enumerate()
+            clocks[tid] = (thread.name, time.clock_gettime(getclock(thread.ident)))
+        except (OSError, ValueError, OverflowError, TypeError):  # it ended meanwhile
             continue
     return clocks
 
@@ -107,13 +135,15 @@ def cpu_split(
     """
     if before is None or after is None:
         return None
-    main = threading.main_thread().ident
+    main = threading.main_thread().native_id
     split = {"forward": 0.0, "main": 0.0}
-    for ident, (name, clock) in after.items():
-        spent = clock - before.get(ident, (name, 0.0))[1]  # a thread started meanwhile: all
-        if ident == main:
+    for tid, (name, clock) in after.items():
+        earlier = before.get(tid)
+        # A thread started meanwhile counts whole; so does one that reuses an ended one's id.
+        spent = clock - earlier[1] if earlier is not None and earlier[0] == name else clock
+        if tid == main:
             split["main"] += spent
-        elif name.startswith(_FORWARD_THREADS):
+        elif name == NATIVE_THREAD or name.startswith(_FORWARD_THREADS):
             split["forward"] += spent
     split["other"] = max(process_s - split["forward"] - split["main"], 0.0)
     if server_s is not None:

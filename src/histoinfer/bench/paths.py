@@ -51,8 +51,6 @@ class BenchPath(ABC):
     label: ClassVar[str]
     #: whether it reads ``ctx.tiles`` (decoding every body up front is wasted on the others)
     needs_tiles: ClassVar[bool] = False
-    #: whether part of it runs in another process (``external_cpu_s``: a server)
-    external: ClassVar[bool] = False
 
     def __init__(self, ctx: BenchContext) -> None:
         self.ctx = ctx
@@ -72,6 +70,11 @@ class BenchPath(ABC):
     def external_cpu_s(self) -> float:
         """CPU seconds used so far by processes of this path other than ours (a server)."""
         return 0.0
+
+    @property
+    def external(self) -> bool:
+        """Whether part of it runs in another process (it overrides ``external_cpu_s``)."""
+        return type(self).external_cpu_s is not BenchPath.external_cpu_s
 
     @abstractmethod
     def measure(self, bodies: Sequence[str], concurrency: int, mode: Mode) -> Sample: ...
@@ -291,7 +294,6 @@ class HttpLoopback(BenchPath):
     name = "http"
     label = "HTTP loopback (histoinfer serve + HttpClient)"
     model: ClassVar[str] = "h1"
-    external = True
 
     def unavailable(self) -> str | None:
         return http_unavailable()

@@ -495,7 +495,7 @@ def run_profile(cfg: Any, log: Log) -> dict[str, Any]:
     from .runner import ensure_checkpoint, load_bodies
 
     workdir = Path(cfg.workdir)
-    checkpoint = ensure_checkpoint("tiny", workdir, log)
+    checkpoint = ensure_checkpoint("tiny", workdir, log, getattr(cfg, "dtype", "float32"))
     model = build_server_model("h1", checkpoint)
     bodies = load_bodies(128, cfg.seed, workdir, log)
     sample = json.loads(bodies[0])

@@ -31,11 +31,12 @@ def _met(met: bool | None) -> str:
 
 _CPU_SPLIT_HEADER = "of which forward / main / other"
 _CPU_SPLIT_NOTE = (
-    "CPU ms/tile by thread: *forward* = the device's thread and its helpers (the forward "
-    "passes), *main* = the main thread (an async path's event loop, the explicit loop's "
-    "caller), *other* = every other thread (decoding, sync callers, and the external "
-    "batchers' executors, where their forward passes run), then the HTTP path's server "
-    "process. Medians over rounds, each on its own, so they need not add up."
+    "CPU ms/tile by thread: *forward* = the device's thread and its helpers, and torch's own "
+    "OpenMP workers (the forward passes), *main* = the main thread (an async path's event "
+    "loop, the explicit loop's caller), *other* = every other thread (decoding, sync callers, "
+    "the external batchers' executors, which run their forward passes with torch's workers), "
+    "then the HTTP path's server process. Medians over rounds, each on its own, so they need "
+    "not add up."
 )
 
 
@@ -158,7 +159,9 @@ def markdown(report: dict[str, Any]) -> str:
             + [_num(row.get("cpu_ms_per_tile"), 2), _cpu_split_cell(row)]
             for row in throughput["rows"]
         ]
-        out += ["## Throughput and latency", "", *_table(headers, rows), _CPU_SPLIT_NOTE, ""]
+        out += ["## Throughput and latency", "", *_table(headers, rows)]
+        if any(row.get("cpu_ms_per_tile_by_role") for row in throughput["rows"]):
+            out += [_CPU_SPLIT_NOTE, ""]
         for skip in throughput["skipped"]:
             out.append(f"- skipped `{skip['path']}` ({skip['model']}): {skip['reason']}")
         for note in throughput.get("notes", []):

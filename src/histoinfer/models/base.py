@@ -264,7 +264,10 @@ class ServerModel:
     def _check_outputs(self) -> None:
         """One forward pass at load time: a mismatched checkpoint fails now, naming the file."""
         size = self.assets.tile_size
-        probe = torch.zeros(2, 3, size, size, dtype=torch.uint8)
+        # Seeded noise, not zeros: a program fed the wrong dtype (an AOTInductor package compiled
+        # for bfloat16 reads a float32 batch's bytes as bfloat16) answers garbage, not an error.
+        seeded = torch.Generator().manual_seed(0)
+        probe = torch.randint(0, 256, (2, 3, size, size), generator=seeded, dtype=torch.uint8)
         try:
             out = self.forward_batch(probe, "predict_with_embedding")
         except CheckpointError:
@@ -286,6 +289,14 @@ class ServerModel:
                 raise CheckpointError(
                     f"checkpoint {self.checkpoint.path} returns {name} of shape {actual}, but its "
                     f"assets (model.json) describe {shape}"
+                )
+            if not bool(torch.isfinite(tensor).all()):
+                raise CheckpointError(
+                    f"checkpoint {self.checkpoint.path} returns non-finite {name} (NaN or "
+                    f"infinity) for a probe batch of random tiles fed as "
+                    f"{str(self.checkpoint.input_dtype).removeprefix('torch.')}: a broken "
+                    "program, or one that takes another input dtype (an AOTInductor package "
+                    "must record it; docs/checkpoints.md, 'Reduced precision')"
                 )
 
     def _build_metadata(self) -> ModelMetadata:

@@ -46,8 +46,9 @@ class LoadedCheckpoint:
     kind: CheckpointKind
     sha256: str
     program: Program
-    #: The floating dtype the program's input is in: a ``torch.export`` program exported in
-    #: bfloat16 or float16 takes its batch in that dtype; float32 otherwise (docs/checkpoints.md).
+    #: The floating dtype the program takes its batch in (``input_dtype``): the dtype a
+    #: ``torch.export`` program was traced with, or an AOTInductor package's recorded one;
+    #: float32 when neither says (docs/checkpoints.md, "Reduced precision").
     input_dtype: torch.dtype = torch.float32
 
 
@@ -126,12 +127,28 @@ def _load_program(path: Path, kind: CheckpointKind, device: torch.device) -> Pro
         return program  # type: ignore[no-any-return]
 
 
-def input_dtype(program: object) -> torch.dtype:
-    """The floating dtype a ``torch.export`` program's (first) input was traced with.
+#: The metadata key an AOTInductor package records its input dtype under (docs/checkpoints.md):
+#: ``aoti_compile_and_package(..., inductor_configs={"aot_inductor.metadata": {...}})``.
+AOTI_INPUT_DTYPE_KEY = "input_dtype"
 
-    Read from the traced graph, where each input carries the example it was traced with. An
-    AOTInductor package does not say, so it is taken to want float32, as the contract says.
+
+def input_dtype(program: object) -> torch.dtype:
+    """The floating dtype the program's input is in: float32 unless the program says otherwise.
+
+    A ``torch.export`` program says so in its graph, where the input carries the example it was
+    traced with. An AOTInductor package cannot be asked; it says so only if its metadata records
+    it (``AOTI_INPUT_DTYPE_KEY``), and is taken to want float32 otherwise, as the contract says.
     """
+    get_metadata = getattr(program, "get_metadata", None)
+    if get_metadata is not None:  # an AOTInductor package
+        name = get_metadata().get(AOTI_INPUT_DTYPE_KEY, "float32")
+        dtype = getattr(torch, name, None) if isinstance(name, str) else None
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(
+                f"its metadata says {AOTI_INPUT_DTYPE_KEY}={name!r}, which is not a torch "
+                "floating dtype (e.g. 'bfloat16')"
+            )
+        return dtype
     graph = getattr(program, "graph", None)
     for node in getattr(graph, "nodes", ()):
         if node.op == "placeholder":
@@ -160,10 +177,10 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> Loa
             f"checkpoint {path} ({kind}) could not be loaded on device {str(resolved)!r}: "
             f"{first_line(exc)}"
         ) from exc
+    try:
+        dtype = input_dtype(program)
+    except ValueError as exc:
+        raise CheckpointError(f"checkpoint {path} ({kind}): {exc}") from None
     return LoadedCheckpoint(
-        path=path,
-        kind=kind,
-        sha256=file_sha256(path),
-        program=program,
-        input_dtype=input_dtype(program),
+        path=path, kind=kind, sha256=file_sha256(path), program=program, input_dtype=dtype
     )

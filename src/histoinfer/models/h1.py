@@ -21,6 +21,7 @@ import torch
 
 from .assets import ASSETS_FILE, ModelAssets
 from .base import ServerModel
+from .checkpoint import AOTI_INPUT_DTYPE_KEY
 from .genes import REFERENCE_GENE_PANEL
 from .registry import register_model
 from .vit import VIT_SIZES, GeneViT
@@ -104,9 +105,6 @@ def export_reference_h1(
     """
     if dtype not in REFERENCE_DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(REFERENCE_DTYPES)}")
-    if aoti and dtype != "float32":
-        # An AOTInductor package does not say which dtype it takes: float32 only (checkpoint.py).
-        raise ValueError("an AOTInductor package is exported in float32 only")
     start = time.perf_counter()
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
@@ -128,7 +126,13 @@ def export_reference_h1(
 
             aoti_path = out / AOTI_CHECKPOINT_FILE
             with _partial(aoti_path) as partial:
-                inductor.aoti_compile_and_package(program, package_path=str(partial))
+                # A package cannot be asked which dtype it takes: it records it (checkpoint.py).
+                metadata = {AOTI_INPUT_DTYPE_KEY: dtype}
+                inductor.aoti_compile_and_package(
+                    program,
+                    package_path=str(partial),
+                    inductor_configs={"aot_inductor.metadata": metadata},
+                )
     assets_path = out / ASSETS_FILE
     with _partial(assets_path) as partial:
         assets = reference_assets(size, dtype).model_dump()
