@@ -25,6 +25,7 @@ from histoinfer.bench.loopback import http_unavailable, parse_metrics
 from histoinfer.bench.measure import (
     NATIVE_THREAD,
     Sample,
+    ThreadClock,
     check_responses,
     cpu_split,
     thread_cpu_clocks,
@@ -87,29 +88,38 @@ def test_check_responses_catches_crossed_and_missing() -> None:
 def test_cpu_split_attributes_each_thread_to_its_role() -> None:
     main = threading.main_thread().native_id
     assert main is not None
+    clock = ThreadClock
     before = {
-        main: ("MainThread", 1.0),
-        2: ("histoinfer-device-cpu", 5.0),
-        3: ("w", 0.5),
-        5: (NATIVE_THREAD, 2.0),  # torch's OpenMP worker: forward passes
-        6: ("ended", 9.0),
+        main: clock("MainThread", 1.0, 1),
+        2: clock("histoinfer-device-cpu", 5.0, 2),
+        3: clock("w", 0.5, 3),
+        5: clock(NATIVE_THREAD, 2.0, 5),  # torch's OpenMP worker: forward passes
+        6: clock("ended", 9.0, 6),
+        7: clock("histoinfer-device-cpu/helper-3", 0.5, 7),
     }
     after = {
-        main: ("MainThread", 1.25),
-        2: ("histoinfer-device-cpu", 5.5),
-        3: ("w", 0.75),
-        4: ("histoinfer-device-cpu/helper-1", 0.125),  # started meanwhile: all of it
-        5: (NATIVE_THREAD, 2.25),
-        6: ("histoinfer-device-cpu/helper-2", 0.0625),  # a new thread with an ended one's id
+        main: clock("MainThread", 1.25, 1),
+        2: clock("histoinfer-device-cpu", 5.5, 2),
+        3: clock("w", 0.75, 3),
+        4: clock("histoinfer-device-cpu/helper-1", 0.125, 4),  # started meanwhile: all of it
+        5: clock(NATIVE_THREAD, 2.25, 5),
+        6: clock("histoinfer-device-cpu/helper-2", 0.0625, 60),  # a new thread, an old id
+        7: clock(NATIVE_THREAD, 0.75, 7),  # ending: Python no longer names it
     }
-    split = cpu_split(before, after, process_s=1.75)
-    assert split == {"forward": 0.9375, "main": 0.25, "other": 0.5625}
+    split = cpu_split(before, after, process_s=2.0)
+    assert split == {"forward": 1.1875, "main": 0.25, "other": 0.5625}
     # a server's CPU is its own role; what the threads do not account for is "other"
-    assert cpu_split(before, after, process_s=2.25, server_s=3.0) == {
-        "forward": 0.9375,
+    assert cpu_split(before, after, process_s=2.5, server_s=3.0) == {
+        "forward": 1.1875,
         "main": 0.25,
         "other": 1.0625,
         "server": 3.0,
+    }
+    # a thread whose clock went back is not the thread it was
+    assert cpu_split({3: clock("w", 4.0, 3)}, {3: clock("w", 1.0, 3)}, 1.0) == {
+        "forward": 0.0,
+        "main": 0.0,
+        "other": 1.0,
     }
     assert cpu_split(None, after, process_s=1.0) is None
 
@@ -122,7 +132,7 @@ def test_thread_clocks_see_torchs_own_workers() -> None:
         torch.ones(512, 512) @ torch.ones(512, 512)  # a parallel op: the team exists
     clocks = thread_cpu_clocks()
     assert clocks is not None and main in clocks
-    assert any(name == NATIVE_THREAD for name, _ in clocks.values())
+    assert any(c.name == NATIVE_THREAD for c in clocks.values())
 
 
 @pytest.mark.timeout(30)

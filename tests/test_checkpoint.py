@@ -19,10 +19,12 @@ from torch import nn
 from histoinfer import InProcessClient, ServerModel, available_models, build_server_model
 from histoinfer.errors import InferenceError, InvalidRequestError
 from histoinfer.models import CheckpointError, load_checkpoint, registry
+from histoinfer.models.base import BatchOutput
 from histoinfer.models.checkpoint import AOTI_INPUT_DTYPE_KEY, input_dtype, sniff_kind
 from histoinfer.models.genes import REFERENCE_GENE_PANEL
 from histoinfer.models.h1 import H1ServerModel, export_reference_h1
 from histoinfer.models.vit import VIT_SIZES
+from histoinfer.schema import Mode
 
 
 @pytest.fixture
@@ -379,6 +381,7 @@ class _Package:
 def test_an_aoti_package_takes_the_dtype_its_metadata_records() -> None:
     assert input_dtype(_Package({})) == torch.float32  # the contract's, when it says nothing
     assert input_dtype(_Package({AOTI_INPUT_DTYPE_KEY: "bfloat16"})) == torch.bfloat16
+    assert input_dtype(_Package({AOTI_INPUT_DTYPE_KEY: "torch.float16"})) == torch.float16
     for wrong in ("int8", "banana"):
         with pytest.raises(ValueError, match=f"{AOTI_INPUT_DTYPE_KEY}='{wrong}'"):
             input_dtype(_Package({AOTI_INPUT_DTYPE_KEY: wrong}))
@@ -428,5 +431,31 @@ class _NonFinite(nn.Module):
 def test_a_program_answering_nan_is_refused_at_load(copy_of_tiny: Path) -> None:
     path = save_program(_NonFinite(), copy_of_tiny)
     raises_naming(
-        path, lambda: build_server_model("h1", path), "non-finite predictions", "Reduced precision"
+        path, lambda: build_server_model("h1", path), "non-finite predictions", "a broken program"
     )
+
+
+class _PredictOnly(H1ServerModel):
+    """Serves predict only; asked for an embedding (the load probe), it fills it with NaN."""
+
+    modes = ("predict",)
+
+    def forward_batch(self, batch: torch.Tensor, mode: Mode) -> BatchOutput:
+        out = super().forward_batch(batch, mode)
+        if mode == "predict":
+            return out
+        filler = torch.full((len(batch), VIT_SIZES["tiny"].dim), float("nan"))
+        return BatchOutput(predictions=out.predictions, embedding=filler)
+
+
+def test_only_the_outputs_a_served_mode_returns_must_be_finite(tiny_checkpoint: Path) -> None:
+    model = _PredictOnly.from_files(tiny_checkpoint)  # its NaN embedding is never served
+    with InProcessClient(model, dynamic_batching=False) as client:
+        body = json.loads(client.predict(make_body(0)))
+    assert len(body["output"]) == len(REFERENCE_GENE_PANEL)
+
+    class _Both(_PredictOnly):
+        modes = ("predict", "predict_with_embedding")
+
+    load = lambda: _Both.from_files(tiny_checkpoint)  # noqa: E731
+    raises_naming(tiny_checkpoint, load, "non-finite embedding")

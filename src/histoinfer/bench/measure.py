@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import anyio
 
@@ -22,6 +23,7 @@ __all__ = [
     "CPU_ROLES",
     "NATIVE_THREAD",
     "Sample",
+    "ThreadClock",
     "check_responses",
     "cpu_split",
     "drive_async",
@@ -85,13 +87,25 @@ class Sample:
 NATIVE_THREAD = ""
 
 
-def _linux_thread_clock(tid: int) -> float:
-    # Linux's per-thread CPU clock id for any thread of this process (MAKE_THREAD_CPUCLOCK).
-    return time.clock_gettime((~tid << 3) | 6)
+class ThreadClock(NamedTuple):
+    """One thread's CPU clock at one moment, and what tells it from a later thread of its id."""
+
+    name: str
+    cpu_s: float
+    #: when the thread started (Linux: clock ticks since boot); Python's ident elsewhere
+    started: int
 
 
-def thread_cpu_clocks() -> dict[int, tuple[str, float]] | None:
-    """Every thread's name and CPU clock (s), by native thread id; None where unavailable.
+def _linux_thread_clock(tid: int) -> tuple[float, int]:
+    # Linux's per-thread CPU clock id for any thread of this process (MAKE_THREAD_CPUCLOCK),
+    # and the thread's start time (field 22 of its stat; the name before it may hold spaces).
+    with open(f"/proc/self/task/{tid}/stat", "rb") as stat:
+        started = int(stat.read().rpartition(b")")[2].split()[19])
+    return time.clock_gettime((~tid << 3) | 6), started
+
+
+def thread_cpu_clocks() -> dict[int, ThreadClock] | None:
+    """Every thread's CPU clock, by native thread id; None where that cannot be read.
 
     On Linux every thread of the process counts, including the ones Python does not know
     (torch's OpenMP workers, named ``NATIVE_THREAD``): a forward pass on torch's team runs
@@ -107,24 +121,26 @@ def thread_cpu_clocks() -> dict[int, tuple[str, float]] | None:
         for tid in tids:
             thread = named.get(tid)
             try:
-                clocks[tid] = (thread.name if thread else NATIVE_THREAD, _linux_thread_clock(tid))
-            except OSError:  # it ended since the listing
+                cpu_s, started = _linux_thread_clock(tid)
+            except (OSError, ValueError, IndexError):  # it ended since the listing
                 continue
+            clocks[tid] = ThreadClock(thread.name if thread else NATIVE_THREAD, cpu_s, started)
         return clocks
     getclock = getattr(time, "pthread_getcpuclockid", None)
     if getclock is None:
         return None
     for tid, thread in named.items():
         try:
-            clocks[tid] = (thread.name, time.clock_gettime(getclock(thread.ident)))
+            cpu_s = time.clock_gettime(getclock(thread.ident))
         except (OSError, ValueError, OverflowError, TypeError):  # it ended meanwhile
             continue
+        clocks[tid] = ThreadClock(thread.name, cpu_s, thread.ident or 0)
     return clocks
 
 
 def cpu_split(
-    before: dict[int, tuple[str, float]] | None,
-    after: dict[int, tuple[str, float]] | None,
+    before: dict[int, ThreadClock] | None,
+    after: dict[int, ThreadClock] | None,
     process_s: float,
     server_s: float | None = None,
 ) -> dict[str, float] | None:
@@ -137,10 +153,13 @@ def cpu_split(
         return None
     main = threading.main_thread().native_id
     split = {"forward": 0.0, "main": 0.0}
-    for tid, (name, clock) in after.items():
-        earlier = before.get(tid)
-        # A thread started meanwhile counts whole; so does one that reuses an ended one's id.
-        spent = clock - earlier[1] if earlier is not None and earlier[0] == name else clock
+    for tid, now in after.items():
+        then = before.get(tid)
+        if then is not None and then.started == now.started and then.cpu_s <= now.cpu_s:
+            # A Python thread that is ending is no longer listed by name: it keeps its old one.
+            spent, name = now.cpu_s - then.cpu_s, now.name or then.name
+        else:  # started meanwhile: all of it counts, even with an ended thread's id
+            spent, name = now.cpu_s, now.name
         if tid == main:
             split["main"] += spent
         elif name == NATIVE_THREAD or name.startswith(_FORWARD_THREADS):

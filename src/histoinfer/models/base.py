@@ -282,6 +282,12 @@ class ServerModel:
             "embedding": (2, self.assets.embedding_size),
         }
         got = {"predictions": out.predictions, "embedding": out.embedding}
+        # Only the outputs a served mode returns must be finite (a predict-only model may fill
+        # the embedding slot with anything of the right shape).
+        served = {
+            "predictions": {"predict", "predict_with_embedding"} & set(self.modes),
+            "embedding": {"embed", "predict_with_embedding"} & set(self.modes),
+        }
         for name, shape in expected.items():
             tensor = got[name]
             if tensor is None or tuple(tensor.shape) != shape:
@@ -290,13 +296,18 @@ class ServerModel:
                     f"checkpoint {self.checkpoint.path} returns {name} of shape {actual}, but its "
                     f"assets (model.json) describe {shape}"
                 )
-            if not bool(torch.isfinite(tensor).all()):
+            if served[name] and not bool(torch.isfinite(tensor).all()):
+                dtype = str(self.checkpoint.input_dtype).removeprefix("torch.")
+                hint = (
+                    ", or a package compiled for another input dtype that does not record it "
+                    "(docs/checkpoints.md, 'Reduced precision')"
+                    if self.checkpoint.kind == "aoti"
+                    else ""
+                )
                 raise CheckpointError(
                     f"checkpoint {self.checkpoint.path} returns non-finite {name} (NaN or "
-                    f"infinity) for a probe batch of random tiles fed as "
-                    f"{str(self.checkpoint.input_dtype).removeprefix('torch.')}: a broken "
-                    "program, or one that takes another input dtype (an AOTInductor package "
-                    "must record it; docs/checkpoints.md, 'Reduced precision')"
+                    f"infinity) for a probe batch of random tiles fed as {dtype}: a broken "
+                    f"program{hint}"
                 )
 
     def _build_metadata(self) -> ModelMetadata:

@@ -142,11 +142,12 @@ def input_dtype(program: object) -> torch.dtype:
     get_metadata = getattr(program, "get_metadata", None)
     if get_metadata is not None:  # an AOTInductor package
         name = get_metadata().get(AOTI_INPUT_DTYPE_KEY, "float32")
-        dtype = getattr(torch, name, None) if isinstance(name, str) else None
+        # 'torch.bfloat16' is what str(torch.bfloat16) gives: accepted as 'bfloat16'.
+        dtype = getattr(torch, name.removeprefix("torch."), None) if isinstance(name, str) else None
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(
-                f"its metadata says {AOTI_INPUT_DTYPE_KEY}={name!r}, which is not a torch "
-                "floating dtype (e.g. 'bfloat16')"
+                f"its metadata says {AOTI_INPUT_DTYPE_KEY}={name!r}, which is not the name of a "
+                "torch floating dtype (e.g. 'bfloat16')"
             )
         return dtype
     graph = getattr(program, "graph", None)
