@@ -351,7 +351,7 @@ def test_a_bfloat16_program_is_served_close_to_its_float32_twin(
     assert model.checkpoint.input_dtype == torch.bfloat16
     assert model.metadata().version.endswith("-bfloat16")
     with InProcessClient(model, dynamic_batching=False) as client:
-        bodies = [make_body(i) for i in range(3)]
+        bodies = [make_body(i) for i in range(20)]  # 20 tiles: a sharded pass on a CPU
         low = client.predict_batch(bodies)
         full = reference.predict_batch(bodies)
     for a, b in zip(low, full, strict=True):
