@@ -373,7 +373,8 @@ class InProcessClient(ClosingContext):
         # Dropped without close(): end the runner tasks in their loops rather than leave them
         # to the garbage collector. Holds the loops, which hold nothing of the client.
         weakref.finalize(self, _close_loop_states, self._loops)
-        self._calls = InFlight()
+        # Every loop's schedulers end once the client is closed and its last call is done.
+        self._calls = InFlight(when_done=partial(_close_loop_states, self._loops))
         self._portal: PortalThread | None = None
         self._threads_lock = threading.Lock()
         self._portal_finalizer: weakref.finalize[Any, Any] | None = None
@@ -466,17 +467,17 @@ class InProcessClient(ClosingContext):
 
         Every loop's schedulers end once the last call in flight is done.
         """
-        self._mark_closed()
+        self._calls.close()
         if running_loop_here():
             # Waiting here would block the very loop whose requests we wait for (a notebook
             # cell): those finish on their own; we only refuse new ones.
             log.debug("close() on a thread with a running loop: not waiting for in-flight work")
         else:
-            self._wait_idle()
+            self._calls.wait_idle()
         self._stop_threads()
 
     async def aclose(self) -> None:
-        self._mark_closed()
+        self._calls.close()
         # Cancellable; this loop keeps running its own in-flight requests meanwhile.
         await self._calls.wait_idle_async()
         await anyio.to_thread.run_sync(self._stop_threads)
@@ -496,8 +497,7 @@ class InProcessClient(ClosingContext):
 
     async def infer_async(self, body: str | bytes, mode: Mode) -> str:
         """Run one request body in ``mode`` (what the server routes call); see ``predict_async``."""
-        self._enter()
-        try:
+        with self._calls.call():
             self.server_model.check_mode(mode)  # an unknown mode is the caller's error
             state = self._loops.get()
             if self.dynamic_batching:
@@ -521,8 +521,6 @@ class InProcessClient(ClosingContext):
                 job, output = await self._infer_unbatched(state, body, mode)
             assert job.request is not None
             return self._finish(job.request, output, mode)
-        finally:
-            self._exit()
 
     async def _infer_unbatched(
         self, state: _LoopState, body: str | bytes, mode: Mode
@@ -585,8 +583,7 @@ class InProcessClient(ClosingContext):
 
     def infer_batch(self, bodies: list[str], mode: Mode) -> list[str]:
         """Run pre-formed batch ``bodies`` in ``mode``, all or nothing; see ``predict_batch``."""
-        self._enter()
-        try:
+        with self._calls.call():
             if not isinstance(bodies, list):
                 raise InvalidRequestError(
                     f"bodies must be a list of JSON strings, got {type(bodies).__name__}"
@@ -617,8 +614,6 @@ class InProcessClient(ClosingContext):
                     for (request, _), output in zip(chunk, outputs, strict=True)
                 )
             return responses
-        finally:
-            self._exit()
 
     def _decode_batch(self, bodies: list[str], mode: Mode) -> list[Decoded]:
         """Every body of a ``*_batch`` call, in order; on ``batch_decode_threads`` threads."""
@@ -704,20 +699,6 @@ class InProcessClient(ClosingContext):
             finalizer()
         if decoder is not None:
             decoder.shutdown(wait=False)
-
-    def _enter(self) -> None:
-        self._calls.enter()
-
-    def _exit(self) -> None:
-        if self._calls.exit():  # the last call in flight after close(): end the schedulers
-            _close_loop_states(self._loops)
-
-    def _mark_closed(self) -> None:
-        if self._calls.close():
-            _close_loop_states(self._loops)
-
-    def _wait_idle(self) -> None:
-        self._calls.wait_idle()
 
 
 async def _in_host_loop(fn: Callable[[str], Coroutine[Any, Any, T]], body: str) -> T:

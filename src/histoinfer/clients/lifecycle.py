@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import TracebackType
 from typing import Self
@@ -24,11 +24,16 @@ __all__ = ["ClosingContext", "InFlight", "running_loop_here"]
 
 class InFlight:
     """The calls in flight of one client, and whether it is closed (SPEC §5: closing finishes
-    the work in flight and refuses new calls with :class:`ClientClosedError`). Thread-safe."""
+    the work in flight and refuses new calls with :class:`ClientClosedError`). Thread-safe.
 
-    def __init__(self) -> None:
+    ``when_done`` runs once the client is closed and no call is in flight: in ``close()`` if
+    none is, else as the last one ends (on its thread).
+    """
+
+    def __init__(self, when_done: Callable[[], None] | None = None) -> None:
         self._idle = threading.Condition()
         self._active = 0
+        self._when_done = when_done
         self.closed = False
 
     @property
@@ -51,20 +56,27 @@ class InFlight:
                 raise ClientClosedError("the client is closed")
             self._active += 1
 
-    def exit(self) -> bool:
-        """End a call; True if it was the last one in flight of a closed client."""
+    def exit(self) -> None:
         with self._idle:
             self._active -= 1
             if self._active:
-                return False
+                return
             self._idle.notify_all()
-            return self.closed
+            done = self.closed
+        if done:
+            self._done()
 
-    def close(self) -> bool:
-        """Refuse new calls; True if none is in flight."""
+    def close(self) -> None:
+        """Refuse new calls."""
         with self._idle:
             self.closed = True
-            return self._active == 0
+            done = self._active == 0
+        if done:
+            self._done()
+
+    def _done(self) -> None:
+        if self._when_done is not None:
+            self._when_done()
 
     def wait_idle(self) -> None:
         with self._idle:
