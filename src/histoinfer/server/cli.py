@@ -14,6 +14,7 @@ import math
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from types import FrameType
@@ -90,39 +91,25 @@ def _number(text: str, kind: type[int] | type[float]) -> float:
     return value
 
 
-def _count(text: str) -> int:
-    value = int(_number(text, int))
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _option(
+    kind: type[int] | type[float], ok: Callable[[float], bool], rule: str
+) -> Callable[[str], Any]:
+    """An argparse type: ``text`` as ``kind``, refused with ``rule`` unless ``ok``."""
+
+    def convert(text: str) -> Any:
+        value = kind(_number(text, kind))
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{rule}, got {value}")
+        return value
+
+    return convert
 
 
-def _zero_or_more(text: str) -> int:
-    value = int(_number(text, int))
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
-
-
-def _port(text: str) -> int:
-    value = int(_number(text, int))
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is 0-65535, got {value}")
-    return value
-
-
-def _at_least_zero(text: str) -> float:
-    value = _number(text, float)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
-
-
-def _above_zero(text: str) -> float:
-    value = _number(text, float)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0, got {value}")
-    return value
+_count = _option(int, lambda v: v >= 1, "must be at least 1")
+_zero_or_more = _option(int, lambda v: v >= 0, "must be 0 or more")
+_port = _option(int, lambda v: 0 <= v <= 65535, "a port is 0-65535")
+_at_least_zero = _option(float, lambda v: v >= 0, "must be 0 or more")
+_above_zero = _option(float, lambda v: v > 0, "must be more than 0")
 
 
 def model_sources(args: argparse.Namespace) -> dict[str, ClientSource]:
