@@ -40,6 +40,7 @@ def _names(text: str) -> tuple[str, ...]:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add ``histoinfer bench``'s options to its subparser."""
+    from ..models.h1 import REFERENCE_DTYPES
     from .paths import PATHS
 
     parser.description = (
@@ -86,7 +87,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="seed of the request bodies")
     parser.add_argument(
         "--dtype",
-        choices=["float32", "bfloat16", "float16"],
+        choices=REFERENCE_DTYPES,
         default=None,
         help="precision of the reference checkpoints (default float32; histoinfer export --dtype)",
     )

@@ -77,7 +77,6 @@ class _Damaged(UnidentifiedImageError):
 
     def __init__(self, format_name: str) -> None:
         super().__init__(f"a damaged or truncated {format_name} image")
-        self.format_name = format_name
 
 
 def _unaccepted_format(raw: bytes) -> str:
