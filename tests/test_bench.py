@@ -7,18 +7,22 @@ the JSON, Markdown and PNG outputs are produced and consistent.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from histoinfer.bench.bodies import make_bodies
+from histoinfer.bench.children import open_path
 from histoinfer.bench.cli import main as bench_main
 from histoinfer.bench.isolation import Isolated, Unavailable
 from histoinfer.bench.loopback import http_unavailable, parse_metrics
@@ -30,6 +34,7 @@ from histoinfer.bench.measure import (
     cpu_split,
     thread_cpu_clocks,
 )
+from histoinfer.bench.names import PATH_NAMES
 from histoinfer.bench.profile import classify_stack
 from histoinfer.bench.report import write_outputs
 from histoinfer.bench.runner import (
@@ -37,23 +42,14 @@ from histoinfer.bench.runner import (
     PathSpec,
     Samples,
     noise_floor,
-    open_path,
     quick_config,
     run_bench,
     throughput_checks,
 )
 from histoinfer.models import png, shards
 
-PATHS = (
-    "raw",
-    "explicit",
-    "explicit-parallel",
-    "dynamic-asyncio",
-    "dynamic-asyncio-twin",
-    "dynamic-trio",
-    "asyncio-queue",
-    "async-batcher",
-)
+#: the smoke test's paths: all but the slow to start (HTTP) and the many-threaded
+PATHS = tuple(p for p in PATH_NAMES if p not in ("http", "sync-threads", "bs1-asyncio", "bs1-trio"))
 
 
 @pytest.fixture
@@ -203,6 +199,56 @@ def test_classify_stack() -> None:
     assert classify_stack([frame("_run_once", "asyncio/base_events.py")]) == "event loop / anyio"
 
 
+def test_the_orchestrating_process_names_what_it_runs_without_importing_torch() -> None:
+    # `histoinfer bench` (and its --help) must not spend ~5 s loading torch in the process that
+    # only starts children and writes the report.
+    code = (
+        "import sys; from histoinfer import cli; from histoinfer.bench import cli as bench;"
+        "argv = ['bench', '--quick']; parser = cli.build_parser();"
+        "cli._configure_plugin(parser, argv); bench.config_from_args(parser.parse_args(argv));"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert result.stdout.strip() == "[]"
+    # ... so it keeps the names, which must be those of what the children run.
+    from histoinfer.bench import names
+    from histoinfer.bench.paths import PATHS
+    from histoinfer.cli import build_parser
+    from histoinfer.models.h1 import REFERENCE_DTYPES
+
+    assert tuple(PATHS) == names.PATH_NAMES
+    assert REFERENCE_DTYPES == names.REFERENCE_DTYPES
+    # The top-level `histoinfer export` keeps a literal list too (for every command's start-up).
+    [sub] = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    [dtype] = [a for a in sub.choices["export"]._actions if a.dest == "dtype"]
+    assert tuple(dtype.choices or ()) == REFERENCE_DTYPES
+
+
+def test_the_http_paths_process_loads_no_model(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from histoinfer.bench import children
+    from histoinfer.bench.paths import HttpLoopback
+
+    def no_model(*args: object) -> None:
+        raise AssertionError("the HTTP path's process loaded a model: the server has one")
+
+    monkeypatch.setattr(children, "build_server_model", no_model)
+    monkeypatch.setattr(HttpLoopback, "unavailable", lambda self: None)
+    monkeypatch.setattr(HttpLoopback, "open", lambda self: None)  # no server: not measured here
+    (workdir / "bodies-4-seed0.json").write_text(json.dumps(make_bodies(4)))
+    checkpoint = str(workdir / "h1-tiny" / "model.pt2")
+    spec = PathSpec("tiny", "http", checkpoint, 4, 0, str(workdir), 4, 5.0)
+    opened = open_path(spec)
+    assert opened.path.ctx.model is None and len(opened.bodies) == 4
+    with pytest.raises(RuntimeError, match="no model loaded"):
+        opened.path.ctx.server_model  # noqa: B018 - the property raises
+    with pytest.raises(AssertionError, match="loaded a model"):
+        open_path(replace(spec, name="explicit"))
+
+
 def test_http_path_reports_why_it_cannot_run() -> None:
     reason = http_unavailable()
     assert reason is None or (isinstance(reason, str) and reason)
@@ -349,7 +395,14 @@ def test_cli_runs_and_reports(workdir: Path, tmp_path: Path, capsys: pytest.Capt
     assert "report.json" in printed
     data = json.loads((out / "report.json").read_text())
     assert data["config"]["quick"] is True
-    assert "dynamic-asyncio-twin" not in quick_config().paths  # --quick has no noise floor
+    quick = quick_config()
+    assert "dynamic-asyncio-twin" not in quick.paths  # --quick has no noise floor
+    # ... nor the extras, but every path issue 5 names, and what the lone targets compare.
+    named = {"raw", "explicit", "dynamic-asyncio", "dynamic-trio", "bs1-asyncio", "sync-threads"}
+    assert named | {"http", "async-batcher", "asyncio-queue"} <= set(quick.paths)
+    assert {"raw-forward-1", "raw-forward-1-hot", "pipeline-1", "dynamic-asyncio"} == set(
+        quick.lone_variants
+    )
     assert "--paths=raw,dynamic-asyncio" in data["command"]
     assert {r["path"] for r in data["throughput"]["rows"]} == {"raw", "dynamic-asyncio"}
     # Whether CPU passes were sharded changes every figure: the report says which it was.
@@ -393,10 +446,14 @@ def test_isolated_paths_run_and_are_measured_in_processes_of_their_own(workdir: 
     load = [str(workdir / "h1-tiny" / "model.pt2"), 8, 0, str(workdir), 4, 5.0]
     bench_bodies = make_bodies(8)
     (workdir / "bodies-8-seed0.json").write_text(json.dumps(bench_bodies))
-    handles = [Isolated(open_path, PathSpec("tiny", name, *load)) for name in ("raw", "explicit")]
+    handles = [
+        Isolated(open_path, PathSpec("tiny", "raw", *load)),  # the function, or its name:
+        Isolated("histoinfer.bench.children:open_path", PathSpec("tiny", "explicit", *load)),
+    ]
     try:
         for handle in handles:
             handle.wait_ready()
+            handle.wait_ready(timeout=1)  # answered already: returns at once
             assert handle.unavailable is None
             assert handle.info["pid"] == handle.pid
         pids = {h.pid for h in handles}

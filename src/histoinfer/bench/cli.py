@@ -40,8 +40,8 @@ def _names(text: str) -> tuple[str, ...]:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add ``histoinfer bench``'s options to its subparser."""
-    from ..models.h1 import REFERENCE_DTYPES
-    from .paths import PATHS
+    # Names only: importing the paths or the models would load torch (~5 s) for --help too.
+    from .names import PATH_NAMES, REFERENCE_DTYPES
 
     parser.description = (
         "Sweep concurrency over every path a tile can take (raw forward, explicit batches, "
@@ -62,7 +62,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--paths",
         type=_names,
         default=None,
-        help=f"paths to measure (default all): {','.join(PATHS)}",
+        help=f"paths to measure (default all): {','.join(PATH_NAMES)}",
     )
     parser.add_argument(
         "--modes",

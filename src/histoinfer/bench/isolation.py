@@ -21,19 +21,33 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
 import multiprocessing
 import os
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-__all__ = ["Isolated", "Local", "Unavailable"]
+__all__ = ["Factory", "Isolated", "Local", "Unavailable", "resolve"]
 
 # Long enough to import torch and load a model on a loaded 2-core machine.
 START_TIMEOUT_S = 300.0
 # Long enough for the slowest measurement (the small model: 256 tiles at ~20 tiles/s, loaded);
 # a child that hangs must not hang the whole run.
 CALL_TIMEOUT_S = 900.0
+
+
+#: a module-level function, or its "module:name"
+Factory = Callable[..., Any] | str
+
+
+def resolve(factory: Factory) -> Callable[..., Any]:
+    """The function a :data:`Factory` names."""
+    if callable(factory):
+        return factory
+    module, _, name = factory.partition(":")
+    function: Callable[..., Any] = getattr(importlib.import_module(module), name)
+    return function
 
 
 class Unavailable(Exception):
@@ -43,12 +57,13 @@ class Unavailable(Exception):
 class Isolated:
     """An object built by ``factory(*args)`` in a child process; ``call`` runs its methods there.
 
-    ``factory`` must be a module-level function (it is imported by name in the child) returning
-    an object with a ``close()`` method, and optionally an ``info`` dict (sent back once it is
-    ready).
+    ``factory`` must be a module-level function (it is imported by name in the child), or its
+    ``"module:name"`` (then this process need not import that module, nor what it imports),
+    returning an object with a ``close()`` method, and optionally an ``info`` dict (sent back
+    once it is ready).
     """
 
-    def __init__(self, factory: Callable[..., Any], *args: Any) -> None:
+    def __init__(self, factory: Factory, *args: Any) -> None:
         context = multiprocessing.get_context("spawn")
         self._conn, child_conn = context.Pipe()
         self._process = context.Process(
@@ -57,6 +72,7 @@ class Isolated:
         self._process.start()
         child_conn.close()
         self._closed = False
+        self._answered = False
         self.info: dict[str, Any] = {}
         self.unavailable: str | None = None
 
@@ -65,8 +81,12 @@ class Isolated:
         return self._process.pid
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
-        """Wait until the child has built its object; sets ``info`` or ``unavailable``."""
+        """Wait until the child has built its object; sets ``info`` or ``unavailable``.
+        Once it has answered, waiting again returns at once (handles may be shared)."""
+        if self._answered:
+            return
         kind, payload = self._receive(timeout, "start")
+        self._answered = True
         if kind == "ready":
             self.info = payload
         elif kind == "unavailable":
@@ -112,10 +132,10 @@ class Isolated:
         return message
 
 
-def _serve(conn: Connection, factory: Callable[..., Any], args: tuple[Any, ...]) -> None:
+def _serve(conn: Connection, factory: Factory, args: tuple[Any, ...]) -> None:
     """The child: build the object, then answer calls until told to close."""
     try:
-        obj = factory(*args)
+        obj = resolve(factory)(*args)
     except Unavailable as exc:
         conn.send(("unavailable", str(exc)))
         return
@@ -152,14 +172,16 @@ class Local:
     """:class:`Isolated`'s interface, with the object built in this process (``--shared-process``
     and fast tests): cheaper to start, measured in the shared OpenMP regime described above."""
 
-    def __init__(self, factory: Callable[..., Any], *args: Any) -> None:
-        self._factory, self._args = factory, args
+    def __init__(self, factory: Factory, *args: Any) -> None:
+        self._factory, self._args = resolve(factory), args
         self._obj: Any = None
         self.info: dict[str, Any] = {}
         self.unavailable: str | None = None
         self.pid = os.getpid()
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
+        if self._obj is not None or self.unavailable is not None:
+            return  # built already (handles may be shared)
         try:
             self._obj = self._factory(*self._args)
         except Unavailable as exc:

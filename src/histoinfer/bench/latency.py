@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import anyio
 import torch
@@ -23,17 +24,9 @@ import torch
 from ..clients.inprocess import InProcessClient
 from ..models.base import ServerModel
 from ..models.device_thread import device_thread
-from .measure import percentile
 
-__all__ = ["LONE_VARIANTS", "LoneLatency"]
+__all__ = ["LoneLatency"]
 
-LONE_VARIANTS = (
-    "raw-forward-1",
-    "raw-forward-1-hot",
-    "pipeline-1",
-    "dynamic-asyncio",
-    "dynamic-trio",
-)
 #: between two calls of a lone caller: the scheduler and the device go idle
 PAUSE_S = 0.002
 
@@ -49,6 +42,8 @@ class LoneLatency:
         self.tiles = tiles
         self.dynamic = InProcessClient(model, max_wait_ms=5.0)
         self.explicit = InProcessClient(model, max_wait_ms=5.0, dynamic_batching=False)
+        #: sent to the parent when the child is ready (bench/isolation.py)
+        self.info: dict[str, Any] = {}
 
     def close(self) -> None:
         self.dynamic.close()
@@ -99,7 +94,3 @@ class LoneLatency:
             out.append(clock() - t0)
             time.sleep(PAUSE_S)
         return out
-
-
-def p50_ms(latencies: Sequence[float]) -> float:
-    return percentile(latencies, 0.5) * 1000.0

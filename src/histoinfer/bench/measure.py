@@ -178,6 +178,10 @@ def percentile(values: Sequence[float], q: float) -> float:
     return data[min(len(data) - 1, round(q * (len(data) - 1)))]
 
 
+def p50_ms(latencies: Sequence[float]) -> float:
+    return percentile(latencies, 0.5) * 1000.0
+
+
 _PATCH_IDX = re.compile(r'"patch_idx":\s*(\d+)')
 
 

@@ -36,12 +36,19 @@ class BenchContext:
     """What every path of one model shares."""
 
     model_size: str
-    server_model: ServerModel
+    #: the model, loaded in this process; ``None`` where the path's model runs elsewhere (HTTP)
+    model: ServerModel | None
     checkpoint: Path
     max_batch_size: int
     max_wait_ms: float
     #: body index -> prepared uint8 tile, for the raw path (filled by the runner).
     tiles: list[torch.Tensor]
+
+    @property
+    def server_model(self) -> ServerModel:
+        if self.model is None:
+            raise RuntimeError("this path's process has no model loaded (its needs_model is False)")
+        return self.model
 
 
 class BenchPath(ABC):
@@ -51,6 +58,8 @@ class BenchPath(ABC):
     label: ClassVar[str]
     #: whether it reads ``ctx.tiles`` (decoding every body up front is wasted on the others)
     needs_tiles: ClassVar[bool] = False
+    #: whether it runs the model in this process (loading one costs a process ~6 s of CPU)
+    needs_model: ClassVar[bool] = True
 
     def __init__(self, ctx: BenchContext) -> None:
         self.ctx = ctx
@@ -294,6 +303,7 @@ class HttpLoopback(BenchPath):
     name = "http"
     label = "HTTP loopback (histoinfer serve + HttpClient)"
     model: ClassVar[str] = "h1"
+    needs_model = False  # the server loads it; the client only sends bodies
 
     def unavailable(self) -> str | None:
         return http_unavailable()

@@ -18,17 +18,12 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from ..models import ServerModel, build_server_model, png, shards
-from ..models.h1 import export_reference_h1
-from ..schema import MODES, Mode, parse_request
+from ..schema import MODES, Mode
 from .bodies import make_bodies
-from .isolation import Isolated, Local, Unavailable
-from .latency import LONE_VARIANTS, LoneLatency, p50_ms
-from .measure import CPU_ROLES, Sample, cpu_split, percentile, thread_cpu_clocks
+from .isolation import Isolated, Local
+from .measure import CPU_ROLES, Sample, p50_ms, percentile
+from .names import LONE_VARIANTS, PATH_NAMES
 from .overhead import OVERHEAD_VARIANTS, OverheadConfig, measure_overhead
-from .paths import PATHS, BenchContext, BenchPath, make_paths
 
 __all__ = ["BenchConfig", "default_workdir", "run_bench"]
 
@@ -49,7 +44,7 @@ class BenchConfig:
     """Everything a run depends on; written into the JSON so that a run can be repeated."""
 
     models: tuple[str, ...] = ("tiny",)
-    paths: tuple[str, ...] = tuple(PATHS)
+    paths: tuple[str, ...] = PATH_NAMES
     levels: tuple[int, ...] = (1, 8, 64, 512)
     #: inference modes swept on the tiny model; the targets are read on the first
     modes: tuple[Mode, ...] = MODES
@@ -72,6 +67,8 @@ class BenchConfig:
     overhead_levels: tuple[int, ...] = (1, 64, 512)
     overhead_requests: int = 20_000
     lone_calls: int = 60
+    #: what a lone request is compared with; the targets need all but ``dynamic-trio``
+    lone_variants: tuple[str, ...] = LONE_VARIANTS
     workdir: str = field(default_factory=lambda: str(default_workdir()))
     quick: bool = False
     #: each path (and lone-latency variant) in a process of its own (bench/isolation.py says why)
@@ -90,11 +87,19 @@ class BenchConfig:
 TWIN = ("dynamic-asyncio-twin", "dynamic-asyncio")
 
 
+#: what --quick does not measure (a full run does): the extras, paths and lone variants
+QUICK_LEAVES_OUT = (TWIN[0], "bs1-trio", "explicit-parallel")
+QUICK_LONE_LEAVES_OUT = ("dynamic-trio",)
+
+
 def quick_config(**overrides: Any) -> BenchConfig:
-    """``--quick``: the same suites, fewer levels, tiles and rounds (well under 2 minutes),
-    and no noise-floor twin."""
+    """``--quick``: the same suites, fewer levels, tiles and rounds (under 2 minutes), every path
+    the issue names but none of the extras: no noise-floor twin, no trio twins of batch size 1
+    or of the lone request, no explicit loop with parallel decoding. On 2 cores each process
+    costs ~4 s of the budget to start (import torch, load the model)."""
     base = BenchConfig(
-        paths=tuple(p for p in PATHS if p != TWIN[0]),
+        paths=tuple(p for p in PATH_NAMES if p not in QUICK_LEAVES_OUT),
+        lone_variants=tuple(v for v in LONE_VARIANTS if v not in QUICK_LONE_LEAVES_OUT),
         levels=(1, 512),
         modes=("predict",),
         tiles=256,
@@ -120,6 +125,8 @@ def ensure_checkpoint(size: str, workdir: Path, log: Log, dtype: str = "float32"
     checkpoint = out / "model.pt2"
     if not (checkpoint.exists() and (out / "model.json").exists()):
         log(f"exporting the reference h1 {size} checkpoint ({dtype}) to {out} (once) ...")
+        from ..models.h1 import export_reference_h1  # torch: only when there is none yet
+
         export_reference_h1(size, out, dtype=dtype)
     return checkpoint
 
@@ -141,10 +148,6 @@ def load_bodies(n: int, seed: int, workdir: Path, log: Log) -> list[str]:
     partial.write_text(json.dumps(bodies))
     partial.replace(cache)
     return bodies
-
-
-def prepare_tiles(model: ServerModel, bodies: Sequence[str]) -> list[torch.Tensor]:
-    return [model.prepare_sample(parse_request(b)) for b in bodies]
 
 
 # -- reduction -----------------------------------------------------------------------------------
@@ -289,69 +292,40 @@ class PathSpec:
     max_wait_ms: float
 
 
-class OpenPath:
-    """One opened path over the first ``n`` of its bodies; CPU time is counted where it runs."""
-
-    def __init__(self, path: BenchPath, bodies: list[str]) -> None:
-        self.path = path
-        self.bodies = bodies
-        self.info = {"label": path.label, "note": path.note}
-
-    def measure(self, n: int, concurrency: int, mode: Mode = "predict") -> Sample:
-        server0, threads0 = self.path.external_cpu_s(), thread_cpu_clocks()
-        process0 = time.process_time()
-        sample = self.path.measure(self.bodies[:n], concurrency, mode)
-        process_s = time.process_time() - process0
-        threads, server_s = thread_cpu_clocks(), self.path.external_cpu_s() - server0
-        split = cpu_split(threads0, threads, process_s, server_s if self.path.external else None)
-        return replace(sample, cpu_s=process_s + server_s, cpu_split_s=split)
-
-    def close(self) -> None:
-        self.path.close()
+#: the factories a bench child process builds its object with (bench/children.py), named so that
+#: this process never imports torch
+OPEN_PATH = "histoinfer.bench.children:open_path"
+OPEN_LONE = "histoinfer.bench.children:open_lone"
 
 
-def open_path(spec: PathSpec) -> OpenPath:
-    """Build the model, bodies and path of ``spec`` (in the process that will measure it)."""
-    model = build_server_model("h1", spec.checkpoint)
-    bodies = load_bodies(spec.bodies, spec.seed, Path(spec.workdir), _silent)
-    ctx = BenchContext(
-        spec.size,
-        model,
-        Path(spec.checkpoint),
-        spec.max_batch_size,
-        spec.max_wait_ms,
-        [],
-    )
-    [path] = make_paths([spec.name], ctx)
-    if path.needs_tiles:
-        ctx.tiles.extend(prepare_tiles(model, bodies))
-    reason = path.unavailable()
-    if reason is not None:
-        raise Unavailable(reason)
-    try:
-        path.open()
-    except Exception as exc:
-        raise Unavailable(f"could not start: {exc}") from exc
-    return OpenPath(path, bodies)
-
-
-def open_lone(checkpoint: str, bodies: int, seed: int, workdir: str) -> LoneLatency:
-    """The lone-latency measurer, built in the process that will measure one variant."""
-    model = build_server_model("h1", checkpoint)
-    loaded = load_bodies(bodies, seed, Path(workdir), _silent)
-    return LoneLatency(model, loaded, prepare_tiles(model, loaded))
-
-
-def _silent(message: str) -> None:
-    pass
-
-
-def _start(cfg: BenchConfig, factory: Callable[..., Any], *args: Any) -> Isolated | Local:
+def _start(cfg: BenchConfig, factory: str, *args: Any) -> Isolated | Local:
     return Isolated(factory, *args) if cfg.isolate else Local(factory, *args)
+
+
+#: a suite's result's key for what its children said of torch (moved into the report's
+#: environment by run_bench)
+ENVIRONMENT = "child_environment"
+
+
+def _child_environment(handles: Sequence[Isolated | Local]) -> dict[str, Any]:
+    """torch's side of the report's environment, as the first ready child saw it."""
+    for handle in handles:
+        if handle.info.get("environment"):
+            environment: dict[str, Any] = handle.info["environment"]
+            return environment
+    return {}
+
+
+def _lone_process(variant: str) -> str:
+    """The process that measures ``variant``. The model alone, paced or back to back, runs on
+    the same device thread either way, so those two share one; every other variant has its own:
+    a pass of one tile is ~1.5x slower in a process where other threads ran torch ops."""
+    return variant.removesuffix("-hot")
 
 
 def run_throughput(cfg: BenchConfig, log: Log) -> dict[str, Any]:
     workdir = Path(cfg.workdir)
+    environment: dict[str, Any] = {}
     rows: list[dict[str, Any]] = []
     skipped: list[dict[str, str]] = []
     notes: list[dict[str, str]] = []
@@ -378,7 +352,7 @@ def run_throughput(cfg: BenchConfig, log: Log) -> dict[str, Any]:
             )
             for name in names
         ]
-        started = [_start(cfg, open_path, spec) for spec in specs]  # they load side by side
+        started = [_start(cfg, OPEN_PATH, spec) for spec in specs]  # they load side by side
         paths: list[tuple[str, Isolated | Local]] = []
         try:
             for spec, handle in zip(specs, started, strict=True):
@@ -390,11 +364,14 @@ def run_throughput(cfg: BenchConfig, log: Log) -> dict[str, Any]:
                 paths.append((spec.name, handle))
                 if handle.info.get("note"):
                     notes.append({"model": size, "path": spec.name, "note": handle.info["note"]})
+            log(f"[{size}] {len(paths)} paths started, each in a process of its own")
+            environment = environment or _child_environment([handle for _, handle in paths])
             warm = min(n, 2 * cfg.max_batch_size)
             for _, handle in paths:  # warm thread pools, kernels and connections; discarded
                 handle.call("measure", warm, max(levels), modes[0])
                 for mode in modes:
                     handle.call("measure", 4, 1, mode)
+            log(f"[{size}] warmed up")
             for r in range(rounds):
                 for mode in modes:
                     for level in levels:
@@ -432,6 +409,7 @@ def run_throughput(cfg: BenchConfig, log: Log) -> dict[str, Any]:
         "notes": notes,
         "checks": [c.as_dict() for c in throughput_checks(samples, cfg)],
         "noise_floor": noise_floor(samples, cfg),
+        ENVIRONMENT: environment,
     }
 
 
@@ -519,6 +497,8 @@ def run_overhead(cfg: BenchConfig, log: Log) -> dict[str, Any]:
 
 def run_latency(cfg: BenchConfig, log: Log) -> dict[str, Any]:
     workdir = Path(cfg.workdir)
+    variants = cfg.lone_variants
+    environment: dict[str, Any] = {}
     rows: list[dict[str, Any]] = []
     checks: list[Check] = []
     for size in cfg.models:
@@ -526,29 +506,31 @@ def run_latency(cfg: BenchConfig, log: Log) -> dict[str, Any]:
         n = max(cfg.tiles_at(size, 1), 16)
         load_bodies(n, cfg.seed, workdir, log)  # built once, cached for the processes below
         calls = cfg.lone_calls if size != "small" else max(cfg.lone_calls // 3, 10)
-        # One process per variant: a forward pass of one tile is ~1.5x slower in a process
-        # where other threads have run torch ops (bench/isolation.py).
-        started = {
-            v: _start(cfg, open_lone, str(checkpoint), n, cfg.seed, str(workdir))
-            for v in LONE_VARIANTS
+        processes = {
+            key: _start(cfg, OPEN_LONE, str(checkpoint), n, cfg.seed, str(workdir))
+            for key in dict.fromkeys(map(_lone_process, variants))
         }
-        per: dict[str, list[float]] = {v: [] for v in LONE_VARIANTS}
+        started = {v: processes[_lone_process(v)] for v in variants}
+        per: dict[str, list[float]] = {v: [] for v in variants}
         try:
-            for variant, handle in started.items():
+            for handle in processes.values():
                 handle.wait_ready()
+            for variant, handle in started.items():
                 handle.call("measure", variant, 5)  # warm-up
+            log(f"[latency {size}] {len(processes)} processes started and warmed up")
+            environment = environment or _child_environment(list(processes.values()))
             for r in range(cfg.rounds):
-                k = r % len(LONE_VARIANTS)
-                for variant in LONE_VARIANTS[k:] + LONE_VARIANTS[:k]:
+                k = r % len(variants)
+                for variant in variants[k:] + variants[:k]:
                     per[variant].append(p50_ms(started[variant].call("measure", variant, calls)))
                 log(
                     f"[latency {size}] round {r + 1}/{cfg.rounds} "
-                    + " ".join(f"{v}={per[v][-1]:.2f}ms" for v in LONE_VARIANTS)
+                    + " ".join(f"{v}={per[v][-1]:.2f}ms" for v in variants)
                 )
         finally:
-            for handle in started.values():
+            for handle in processes.values():
                 handle.close()
-        for variant in LONE_VARIANTS:
+        for variant in variants:
             rows.append(
                 {
                     "model": size,
@@ -583,7 +565,7 @@ def run_latency(cfg: BenchConfig, log: Log) -> dict[str, Any]:
                     f"{statistics.median(per['dynamic-asyncio']):.2f} ms vs bound {bound:.2f} ms",
                 )
             )
-    return {"rows": rows, "checks": [c.as_dict() for c in checks]}
+    return {"rows": rows, "checks": [c.as_dict() for c in checks], ENVIRONMENT: environment}
 
 
 # -- the whole run -------------------------------------------------------------------------------
@@ -605,6 +587,7 @@ def _git_commit() -> str | None:
 
 
 def environment() -> dict[str, Any]:
+    """The machine and versions; torch's side comes from the children (``torch_environment``)."""
     import anyio
     import trio
 
@@ -616,14 +599,9 @@ def environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "cpu_passes": shards.describe(torch.get_num_threads()),
-        "png_decoders": [decoder.name for decoder in png.DECODERS] + ["Pillow"],
         "anyio": anyio.__version__ if hasattr(anyio, "__version__") else None,
         "trio": trio.__version__,
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        "cuda": torch.cuda.is_available(),
     }
 
 
@@ -647,6 +625,12 @@ def run_bench(cfg: BenchConfig, log: Log, command: str = "histoinfer bench") -> 
 
         report["profile"] = run_profile(cfg, log)
     env = report["environment"]
+    for suite in ("throughput", "latency"):
+        env.update(report.get(suite, {}).pop(ENVIRONMENT, {}))
+    if "torch" not in env:  # no child was started (the overhead or profile suite alone)
+        from .children import torch_environment
+
+        env.update(torch_environment())
     env["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     report["seconds"] = round(time.perf_counter() - started, 1)
     return report

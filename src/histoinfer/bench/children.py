@@ -1,0 +1,101 @@
+"""What runs inside a bench child process: the paths and lone-latency variants, built there.
+
+Each path is measured in a process of its own (``isolation`` says why). The runner names these
+factories by module and name (``FACTORY``), so that the orchestrating process never imports
+torch; the child imports this module, builds its object and answers ``measure`` calls.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..models import ServerModel, build_server_model, png, shards
+from ..schema import Mode, parse_request
+from .isolation import Unavailable
+from .latency import LoneLatency
+from .measure import Sample, cpu_split, thread_cpu_clocks
+from .paths import PATHS, BenchContext, BenchPath, make_paths
+from .runner import PathSpec, load_bodies
+
+__all__ = ["OpenPath", "open_lone", "open_path", "prepare_tiles", "torch_environment"]
+
+
+def torch_environment() -> dict[str, Any]:
+    """What the report says about torch and the decoders, as a child process sees them."""
+    return {
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cpu_passes": shards.describe(torch.get_num_threads()),
+        "png_decoders": [decoder.name for decoder in png.DECODERS] + ["Pillow"],
+        "cuda": torch.cuda.is_available(),
+    }
+
+
+def prepare_tiles(model: ServerModel, bodies: Sequence[str]) -> list[torch.Tensor]:
+    return [model.prepare_sample(parse_request(b)) for b in bodies]
+
+
+class OpenPath:
+    """One opened path over the first ``n`` of its bodies; CPU time is counted where it runs."""
+
+    def __init__(self, path: BenchPath, bodies: list[str]) -> None:
+        self.path = path
+        self.bodies = bodies
+        self.info = {"label": path.label, "note": path.note, "environment": torch_environment()}
+
+    def measure(self, n: int, concurrency: int, mode: Mode = "predict") -> Sample:
+        server0, threads0 = self.path.external_cpu_s(), thread_cpu_clocks()
+        process0 = time.process_time()
+        sample = self.path.measure(self.bodies[:n], concurrency, mode)
+        process_s = time.process_time() - process0
+        threads, server_s = thread_cpu_clocks(), self.path.external_cpu_s() - server0
+        split = cpu_split(threads0, threads, process_s, server_s if self.path.external else None)
+        return replace(sample, cpu_s=process_s + server_s, cpu_split_s=split)
+
+    def close(self) -> None:
+        self.path.close()
+
+
+def open_path(spec: PathSpec) -> OpenPath:
+    """Build the model, bodies and path of ``spec`` (in the process that will measure it)."""
+    needs_model = spec.name not in PATHS or PATHS[spec.name].needs_model
+    model = build_server_model("h1", spec.checkpoint) if needs_model else None
+    bodies = load_bodies(spec.bodies, spec.seed, Path(spec.workdir), _silent)
+    ctx = BenchContext(
+        spec.size,
+        model,
+        Path(spec.checkpoint),
+        spec.max_batch_size,
+        spec.max_wait_ms,
+        [],
+    )
+    [path] = make_paths([spec.name], ctx)
+    if path.needs_tiles:
+        ctx.tiles.extend(prepare_tiles(ctx.server_model, bodies))
+    reason = path.unavailable()
+    if reason is not None:
+        raise Unavailable(reason)
+    try:
+        path.open()
+    except Exception as exc:
+        raise Unavailable(f"could not start: {exc}") from exc
+    return OpenPath(path, bodies)
+
+
+def open_lone(checkpoint: str, bodies: int, seed: int, workdir: str) -> LoneLatency:
+    """The lone-latency measurer, built in the process that will measure one variant."""
+    model = build_server_model("h1", checkpoint)
+    loaded = load_bodies(bodies, seed, Path(workdir), _silent)
+    lone = LoneLatency(model, loaded, prepare_tiles(model, loaded))
+    lone.info["environment"] = torch_environment()
+    return lone
+
+
+def _silent(message: str) -> None:
+    pass
