@@ -293,6 +293,7 @@ def test_aoti_package_matches_the_export_program(tmp_path: Path) -> None:
     program = build_server_model("h1", export.checkpoint)
     assert aoti.metadata().checkpoint_kind == "aoti"
     assert aoti.checkpoint.input_dtype == torch.float32  # recorded in the package's metadata
+    assert aoti.runner == "AOTInductor"
     assert aoti.metadata().checkpoint_sha256 != program.metadata().checkpoint_sha256
 
     # Same outputs, at several batch sizes (the batch dimension stays dynamic).

@@ -138,6 +138,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"{precision}; "
         f"medians over {cfg['rounds']} interleaved rounds."
         + (f" CPU forward passes: {env['cpu_passes']}." if env.get("cpu_passes") else "")
+        + (f" The program runs as: {env['program_runner']}." if env.get("program_runner") else "")
         + (
             f" PNG decoders, first that takes a tile: {', '.join(env['png_decoders'])}."
             if env.get("png_decoders")

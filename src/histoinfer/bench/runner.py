@@ -308,9 +308,9 @@ ENVIRONMENT = "child_environment"
 
 
 def _child_environment(handles: Sequence[Isolated | Local]) -> dict[str, Any]:
-    """torch's side of the report's environment, as the first ready child saw it."""
+    """torch's side of the report's environment, as the first ready child with a model saw it."""
     for handle in handles:
-        if handle.info.get("environment"):
+        if handle.info.get("environment", {}).get("program_runner"):
             environment: dict[str, Any] = handle.info["environment"]
             return environment
     return {}

@@ -8,8 +8,9 @@ one, on the device), and turns one sample's output back into a :class:`ModelResp
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import ClassVar, Self
 
@@ -28,8 +29,11 @@ from .checkpoint import (
 )
 from .device_thread import device_thread
 from .imaging import decode_tile
+from .scripted import script_program, scripted_equal
 
 __all__ = ["BatchOutput", "SampleOutput", "ServerModel"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +105,10 @@ class ServerModel:
     #: ``forward_batch`` must then be safe to call from several threads at once, as the
     #: built-in one is. Set it to False in a subclass whose ``forward_batch`` is not.
     shard_cpu_passes: ClassVar[bool] = True
+    #: Whether a ``torch.export`` program's graph may run in TorchScript's interpreter (models/
+    #: scripted.py: no GIL between ops), which it does only if it returns exactly what the
+    #: program returns on the load-time probe. Set it to False to always run the fx module.
+    script_program: ClassVar[bool] = True
     #: Limits on one tile's encoded size and decoded pixel count.
     max_image_bytes: ClassVar[int] = 32 * 1024 * 1024
     max_image_pixels: ClassVar[int] = 4096 * 4096
@@ -119,6 +127,9 @@ class ServerModel:
         # On the device's thread, where the clients run every forward pass: run here, the probe
         # would leave this thread an OpenMP team for good (models/device_thread.py).
         device_thread(self.device).call(self._check_outputs)
+        #: how the program runs: "TorchScript interpreter", "fx GraphModule (why not scripted)"
+        #: or "AOTInductor" (the bench reports it: it changes every figure)
+        self.runner: str = device_thread(self.device).call(self._script)
 
     @classmethod
     def from_files(
@@ -260,6 +271,29 @@ class ServerModel:
                 f"got {type(result).__name__}"
             )
         return result[0], result[1]
+
+    def _script(self) -> str:
+        """Run the program's graph in TorchScript's interpreter if it answers exactly alike."""
+        if self.checkpoint.kind != "torch.export":
+            return "AOTInductor"
+        if not self.script_program:
+            return "fx GraphModule (script_program is False)"
+        scripted, why = script_program(self.checkpoint.program)
+        if scripted is not None:
+            size, dtype = self.assets.tile_size, self.checkpoint.input_dtype
+            seeded = torch.Generator().manual_seed(1)
+            batches = [
+                torch.randn((n, 3, size, size), generator=seeded).to(self.device, dtype)
+                for n in (2, 1)  # the probe's size, and a lone tile's
+            ]
+            with torch.inference_mode():
+                difference = scripted_equal(self.checkpoint.program, scripted, batches)
+            if difference is None:
+                self.checkpoint = replace(self.checkpoint, program=scripted)
+                return "TorchScript interpreter"
+            why = difference
+        log.info("%s runs as an fx GraphModule: %s", self.checkpoint.path, why)
+        return f"fx GraphModule ({why})"
 
     def _check_outputs(self) -> None:
         """One forward pass at load time: a mismatched checkpoint fails now, naming the file."""

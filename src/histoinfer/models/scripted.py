@@ -1,0 +1,89 @@
+"""A ``torch.export`` program's graph run by TorchScript's interpreter: the same ATen ops, in C++.
+
+Why. ``torch.export.load(...).module()`` is an fx ``GraphModule``: generated Python that calls
+one ATen op after another. Each op releases the GIL while it computes and must take it back
+before the next one starts, so beside a thread that runs Python (an event loop waking callers,
+a decoder parsing JSON) every op boundary can wait up to the interpreter's switch interval
+(5 ms) for it. Measured on the tiny reference model, one thread, a pass of 16 tiles: 2.4 ms a
+tile alone, **30 ms a tile beside a pure-Python thread**; the same graph in TorchScript: 3.5
+(docs/benchmarks.md, "What made it fast"). The interpreter runs the whole graph with the GIL
+released, and without Python's per-op cost.
+
+How. The graph is copied; the export's input-guard call (a Python submodule: our own checks run
+before any pass) is dropped; each ATen overload becomes its packet (TorchScript resolves the
+overload from the arguments); ``torch.jit.script`` compiles it. The scripted module shares the
+original's parameters (no second copy of the weights).
+
+Trust. It is used only if it returns exactly what the fx module returns (``torch.equal``) on the
+model's load-time probe, after the interpreter has optimized the graph; anything else (a graph
+TorchScript cannot compile, a different value, a future torch without TorchScript) keeps the fx
+module, and :func:`script_program` says why.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .checkpoint import first_line
+
+__all__ = ["script_program", "scripted_equal"]
+
+#: calls of the scripted module before its outputs are compared: TorchScript's profiling
+#: executor runs the graph as written once, then optimizes it; the optimized one must agree
+OPTIMIZE_AFTER_CALLS = 3
+
+
+def script_program(program: object) -> tuple[torch.jit.ScriptModule | None, str]:
+    """``program``'s graph compiled by TorchScript, or ``None`` and the reason it was not."""
+    if not isinstance(program, torch.fx.GraphModule):
+        return None, f"not an fx GraphModule ({type(program).__name__})"
+    with warnings.catch_warnings():
+        # torch warns about its own internals on the copy and about the generated module's
+        # annotations on every compile.
+        warnings.simplefilter("ignore")
+        graph = copy.deepcopy(program.graph)
+        for node in list(graph.nodes):
+            if node.op == "call_module" and node.target == "_guards_fn":
+                graph.erase_node(node)  # Python checks of the input's shape; ours ran already
+        for node in graph.nodes:
+            if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+                if node.target is torch.ops.aten.sym_size.int:
+                    node.target = torch.ops.aten.size.int
+                node.target = node.target.overloadpacket
+        graph._codegen = torch.fx.graph.CodeGen()  # plain arguments, not export's pytree
+        try:
+            scripted = torch.jit.script(torch.fx.GraphModule(program, graph))
+        except Exception as exc:
+            return None, f"TorchScript could not compile its graph: {first_line(exc)}"
+    return scripted, "compiled"
+
+
+def scripted_equal(
+    original: Callable[[torch.Tensor], object],
+    scripted: Callable[[torch.Tensor], object],
+    batches: Sequence[torch.Tensor],
+) -> str | None:
+    """``None`` if ``scripted`` returns exactly what ``original`` does on every batch (after
+    the interpreter's optimization); otherwise what differed."""
+    for batch in batches:
+        try:
+            for _ in range(OPTIMIZE_AFTER_CALLS):
+                got = scripted(batch)
+        except Exception as exc:
+            return f"the scripted graph failed on a batch of {len(batch)}: {first_line(exc)}"
+        want = original(batch)
+        if not _same(want, got):
+            return f"the scripted graph's outputs differ on a batch of {len(batch)}"
+    return None
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, Sequence) and isinstance(b, Sequence) and not isinstance(a, str):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return False
