@@ -4,10 +4,10 @@ Why. ``torch.export.load(...).module()`` is an fx ``GraphModule``: generated Pyt
 one ATen op after another. Each op releases the GIL while it computes and must take it back
 before the next one starts, so beside a thread that runs Python (an event loop waking callers,
 a decoder parsing JSON) every op boundary can wait up to the interpreter's switch interval
-(5 ms) for it. Measured on the tiny reference model, one thread, a pass of 16 tiles: 2.4 ms a
-tile alone, **30 ms a tile beside a pure-Python thread**; the same graph in TorchScript: 3.5
-(docs/benchmarks.md, "What made it fast"). The interpreter runs the whole graph with the GIL
-released, and without Python's per-op cost.
+(5 ms) for it. Measured on the tiny reference model, one thread, a pass of 16 tiles: 1.45-1.54
+ms a tile alone, **12.4-13.0 ms a tile beside a pure-Python thread**; the same graph scripted:
+1.45-1.53 alone, 2.2 beside it (docs/benchmarks-history.md, "Session 10"). TorchScript's
+interpreter runs the whole graph in C++ with the GIL released.
 
 How. The graph is copied; the export's input-guard call (a Python submodule: our own checks run
 before any pass) is dropped; each ATen overload becomes its packet (TorchScript resolves the
