@@ -429,6 +429,36 @@ class _NonFinite(nn.Module):
         return rows.expand(-1, genes) * float("nan"), rows.expand(-1, dim).clone()
 
 
+class _Means(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = x.mean(dim=(1, 2, 3))[:, None]
+        genes, dim = len(REFERENCE_GENE_PANEL), VIT_SIZES["tiny"].dim
+        return rows.expand(-1, genes).clone(), rows.expand(-1, dim).clone()
+
+
+def test_a_program_exported_with_a_static_batch_loads_and_runs_as_before(
+    copy_of_tiny: Path,
+) -> None:
+    # A common mistake (no dynamic_shapes): its fx module takes batches of 2 only. It loaded
+    # before programs were scripted, and must still: the fx module keeps running it.
+    path = copy_of_tiny / "model.pt2"
+    torch.export.save(torch.export.export(_Means(), (torch.zeros(2, 3, 224, 224),)), str(path))
+    model = build_server_model("h1", path)
+    assert model.runner.startswith("fx GraphModule (the program itself fails on a batch of 1: "), (
+        model.runner
+    )
+    out = model.forward_batch(torch.zeros(2, 3, 224, 224, dtype=torch.uint8), "predict")
+    assert out.predictions is not None and out.predictions.shape == (2, len(REFERENCE_GENE_PANEL))
+
+
+def test_a_batch_of_the_wrong_shape_is_refused_before_the_program_runs(
+    tiny_model: ServerModel,
+) -> None:
+    # A scripted program no longer runs export's own input guards: the model checks.
+    with pytest.raises(ValueError, match=r"takes batches of shape \[B, 3, 224, 224\], got"):
+        tiny_model.forward_batch(torch.zeros(2, 3, 64, 64, dtype=torch.uint8), "predict")
+
+
 def test_a_program_answering_nan_is_refused_at_load(copy_of_tiny: Path) -> None:
     path = save_program(_NonFinite(), copy_of_tiny)
     raises_naming(

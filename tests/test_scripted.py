@@ -102,6 +102,7 @@ def test_what_torchscript_cannot_compile_keeps_the_fx_module() -> None:
     scripted, why = script_program(torch.fx.symbolic_trace(Odd()))
     assert scripted is None
     assert why.startswith("TorchScript could not compile its graph: ")
+    assert " at `" in why  # the generated line TorchScript points at, not only its first line
     scripted, why = script_program(Odd())
     assert scripted is None and why == "not an fx GraphModule (Odd)"
 
@@ -127,3 +128,7 @@ def test_scripted_equal_names_what_differed() -> None:
         "the scripted graph failed on a batch of 1: size 1"
     )
     assert scripted_equal(program, lambda x: program(x)[0], batches) is not None
+    # What the program itself refuses (a batch dimension exported static) cannot be compared.
+    assert scripted_equal(fails_on_one, program, batches) == (
+        "the program itself fails on a batch of 1: size 1"
+    )

@@ -26,11 +26,9 @@ from .runner import PathSpec, load_bodies
 __all__ = ["OpenPath", "open_lone", "open_path", "prepare_tiles", "torch_environment"]
 
 
-def torch_environment(model: ServerModel | None = None) -> dict[str, Any]:
-    """What the report says about torch, the decoders and how ``model``'s program runs (in
-    TorchScript's interpreter or as an fx module: models/scripted.py), as a child sees them."""
+def torch_environment() -> dict[str, Any]:
+    """What the report says about torch and the decoders, as a child process sees them."""
     return {
-        "program_runner": model.runner if model is not None else None,
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "cpu_passes": shards.describe(torch.get_num_threads()),
@@ -49,8 +47,14 @@ class OpenPath:
     def __init__(self, path: BenchPath, bodies: list[str]) -> None:
         self.path = path
         self.bodies = bodies
-        environment = torch_environment(path.ctx.model)
-        self.info = {"label": path.label, "note": path.note, "environment": environment}
+        model = path.ctx.model
+        self.info = {
+            "label": path.label,
+            "note": path.note,
+            "environment": torch_environment(),
+            # how its program ran (TorchScript's interpreter or an fx module: models/scripted.py)
+            "program_runner": model.runner if model is not None else None,
+        }
 
     def measure(self, n: int, concurrency: int, mode: Mode = "predict") -> Sample:
         server0, threads0 = self.path.external_cpu_s(), thread_cpu_clocks()
@@ -96,7 +100,7 @@ def open_lone(checkpoint: str, bodies: int, seed: int, workdir: str) -> LoneLate
     model = build_server_model("h1", checkpoint)
     loaded = load_bodies(bodies, seed, Path(workdir), _silent)
     lone = LoneLatency(model, loaded, prepare_tiles(model, loaded))
-    lone.info["environment"] = torch_environment(model)
+    lone.info.update(environment=torch_environment(), program_runner=model.runner)
     return lone
 
 

@@ -17,6 +17,15 @@ def _pct(value: float | None) -> str:
     return "–" if value is None else f"{100 * value:.0f}%"
 
 
+def _runners(runners: dict[str, str] | None) -> str:
+    """How each model's program ran (models/scripted.py), for the report's opening lines."""
+    if not runners:
+        return ""
+    if len(set(runners.values())) == 1:
+        return f" The program runs as: {next(iter(runners.values()))}."
+    return " The program runs as: " + "; ".join(f"{m}: {r}" for m, r in runners.items()) + "."
+
+
 def _load(values: list[float] | None) -> str:
     return "–" if not values else "/".join(f"{v:.2f}" for v in values)
 
@@ -138,7 +147,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"{precision}; "
         f"medians over {cfg['rounds']} interleaved rounds."
         + (f" CPU forward passes: {env['cpu_passes']}." if env.get("cpu_passes") else "")
-        + (f" The program runs as: {env['program_runner']}." if env.get("program_runner") else "")
+        + _runners(env.get("program_runner"))
         + (
             f" PNG decoders, first that takes a tile: {', '.join(env['png_decoders'])}."
             if env.get("png_decoders")

@@ -307,13 +307,16 @@ def _start(cfg: BenchConfig, factory: str, *args: Any) -> Isolated | Local:
 ENVIRONMENT = "child_environment"
 
 
-def _child_environment(handles: Sequence[Isolated | Local]) -> dict[str, Any]:
-    """torch's side of the report's environment, as the first ready child with a model saw it."""
+def _note_environment(into: dict[str, Any], size: str, handles: Sequence[Isolated | Local]) -> None:
+    """torch's side of the report's environment, as the first ready child with a model saw it,
+    and how ``size``'s program ran there (``program_runner``, by model size)."""
     for handle in handles:
-        if handle.info.get("environment", {}).get("program_runner"):
-            environment: dict[str, Any] = handle.info["environment"]
-            return environment
-    return {}
+        runner = handle.info.get("program_runner")
+        if runner:
+            for key, value in handle.info.get("environment", {}).items():
+                into.setdefault(key, value)
+            into.setdefault("program_runner", {})[size] = runner
+            return
 
 
 def _lone_process(variant: str) -> str:
@@ -365,7 +368,7 @@ def run_throughput(cfg: BenchConfig, log: Log) -> dict[str, Any]:
                 if handle.info.get("note"):
                     notes.append({"model": size, "path": spec.name, "note": handle.info["note"]})
             log(f"[{size}] {len(paths)} paths started, each in a process of its own")
-            environment = environment or _child_environment([handle for _, handle in paths])
+            _note_environment(environment, size, [handle for _, handle in paths])
             warm = min(n, 2 * cfg.max_batch_size)
             for _, handle in paths:  # warm thread pools, kernels and connections; discarded
                 handle.call("measure", warm, max(levels), modes[0])
@@ -518,7 +521,7 @@ def run_latency(cfg: BenchConfig, log: Log) -> dict[str, Any]:
             for variant, handle in started.items():
                 handle.call("measure", variant, 5)  # warm-up
             log(f"[latency {size}] {len(processes)} processes started and warmed up")
-            environment = environment or _child_environment(list(processes.values()))
+            _note_environment(environment, size, list(processes.values()))
             for r in range(cfg.rounds):
                 k = r % len(variants)
                 for variant in variants[k:] + variants[:k]:
@@ -626,8 +629,10 @@ def run_bench(cfg: BenchConfig, log: Log, command: str = "histoinfer bench") -> 
         report["profile"] = run_profile(cfg, log)
     env = report["environment"]
     for suite in ("throughput", "latency"):
-        env.update(report.get(suite, {}).pop(ENVIRONMENT, {}))
-    if "torch" not in env:  # no child was started (the overhead or profile suite alone)
+        seen = report.get(suite, {}).pop(ENVIRONMENT, {})
+        env.setdefault("program_runner", {}).update(seen.pop("program_runner", {}))
+        env.update(seen)
+    if "torch" not in env:  # no child with a model (the overhead or profile suite alone, HTTP)
         from .children import torch_environment
 
         env.update(torch_environment())

@@ -261,6 +261,13 @@ class ServerModel:
         return output.clone() if self._input_buffer.holds(output) else output
 
     def _run_program(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        size = self.assets.tile_size
+        if x.dim() != 4 or tuple(x.shape[1:]) != (3, size, size):
+            # The program's own input guards do not run when it is scripted (models/scripted.py).
+            raise ValueError(
+                f"model {self.assets.name!r} takes batches of shape [B, 3, {size}, {size}], "
+                f"got {list(x.shape)}"
+            )
         if x.dtype != self.checkpoint.input_dtype:
             # A reduced-precision program: normalized in float32, then cast, once per batch.
             x = x.to(self.checkpoint.input_dtype)
@@ -278,6 +285,10 @@ class ServerModel:
             return "AOTInductor"
         if not self.script_program:
             return "fx GraphModule (script_program is False)"
+        if self.device.type != "cpu":
+            # On a GPU TorchScript's fuser compiles kernels for shapes this check never sees,
+            # and no GPU has measured it yet: the fx module runs there.
+            return "fx GraphModule (scripted on CPUs only)"
         scripted, why = script_program(self.checkpoint.program)
         if scripted is not None:
             size, dtype = self.assets.tile_size, self.checkpoint.input_dtype

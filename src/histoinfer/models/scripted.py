@@ -33,8 +33,9 @@ from .checkpoint import first_line
 __all__ = ["script_program", "scripted_equal"]
 
 #: calls of the scripted module before its outputs are compared: TorchScript's profiling
-#: executor runs the graph as written once, then optimizes it; the optimized one must agree
-OPTIMIZE_AFTER_CALLS = 3
+#: executor runs the graph as written once (one profiled run, torch's default), then optimizes
+#: it; the optimized graph is the one that must agree
+OPTIMIZE_AFTER_CALLS = 2
 
 
 def script_program(program: object) -> tuple[torch.jit.ScriptModule | None, str]:
@@ -45,21 +46,37 @@ def script_program(program: object) -> tuple[torch.jit.ScriptModule | None, str]
         # torch warns about its own internals on the copy and about the generated module's
         # annotations on every compile.
         warnings.simplefilter("ignore")
-        graph = copy.deepcopy(program.graph)
-        for node in list(graph.nodes):
-            if node.op == "call_module" and node.target == "_guards_fn":
-                graph.erase_node(node)  # Python checks of the input's shape; ours ran already
-        for node in graph.nodes:
-            if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
-                if node.target is torch.ops.aten.sym_size.int:
-                    node.target = torch.ops.aten.size.int
-                node.target = node.target.overloadpacket
-        graph._codegen = torch.fx.graph.CodeGen()  # plain arguments, not export's pytree
         try:
-            scripted = torch.jit.script(torch.fx.GraphModule(program, graph))
+            scripted = torch.jit.script(_plain_graph_module(program))
         except Exception as exc:
-            return None, f"TorchScript could not compile its graph: {first_line(exc)}"
+            return None, f"TorchScript could not compile its graph: {_compile_error(exc)}"
     return scripted, "compiled"
+
+
+def _plain_graph_module(program: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``program`` that TorchScript can compile, sharing its parameters."""
+    graph = copy.deepcopy(program.graph)
+    for node in list(graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn":
+            # export's Python checks of the input's shape; ServerModel checks it before a pass
+            graph.erase_node(node)
+    for node in graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            if node.target is torch.ops.aten.sym_size.int:
+                node.target = torch.ops.aten.size.int
+            node.target = node.target.overloadpacket  # TorchScript resolves the overload
+    graph._codegen = torch.fx.graph.CodeGen()  # plain arguments, not export's pytree
+    return torch.fx.GraphModule(program, graph)
+
+
+def _compile_error(exc: BaseException) -> str:
+    """TorchScript's first line, and the generated line it points at (the first line alone is
+    often just "attribute lookup is not defined on builtin:")."""
+    lines = str(exc).splitlines()
+    for i, line in enumerate(lines):
+        if "<--- HERE" in line and i > 0:
+            return f"{first_line(exc)} at `{lines[i - 1].strip()[:120]}`"
+    return first_line(exc)
 
 
 def scripted_equal(
@@ -68,14 +85,19 @@ def scripted_equal(
     batches: Sequence[torch.Tensor],
 ) -> str | None:
     """``None`` if ``scripted`` returns exactly what ``original`` does on every batch (after
-    the interpreter's optimization); otherwise what differed."""
+    the interpreter's optimization); otherwise what differed, or what failed."""
     for batch in batches:
+        try:
+            want = original(batch)
+        except Exception as exc:
+            # export's own guards refuse it (a batch dimension exported static, say): what the
+            # program does not take cannot be compared, and its fx module keeps refusing it
+            return f"the program itself fails on a batch of {len(batch)}: {first_line(exc)}"
         try:
             for _ in range(OPTIMIZE_AFTER_CALLS):
                 got = scripted(batch)
         except Exception as exc:
             return f"the scripted graph failed on a batch of {len(batch)}: {first_line(exc)}"
-        want = original(batch)
         if not _same(want, got):
             return f"the scripted graph's outputs differ on a batch of {len(batch)}"
     return None
