@@ -72,7 +72,6 @@ class Isolated:
         self._process.start()
         child_conn.close()
         self._closed = False
-        self._answered = False
         self.info: dict[str, Any] = {}
         self.unavailable: str | None = None
 
@@ -83,10 +82,9 @@ class Isolated:
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
         """Wait until the child has built its object; sets ``info`` or ``unavailable``.
         Once it has answered, waiting again returns at once (handles may be shared)."""
-        if self._answered:
-            return
+        if self.info or self.unavailable is not None:
+            return  # answered already: ready ("pid" at least) or unavailable
         kind, payload = self._receive(timeout, "start")
-        self._answered = True
         if kind == "ready":
             self.info = payload
         elif kind == "unavailable":
@@ -180,7 +178,7 @@ class Local:
         self.pid = os.getpid()
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
-        if self._obj is not None or self.unavailable is not None:
+        if self.info or self.unavailable is not None:
             return  # built already (handles may be shared)
         try:
             self._obj = self._factory(*self._args)

@@ -302,11 +302,6 @@ def _start(cfg: BenchConfig, factory: str, *args: Any) -> Isolated | Local:
     return Isolated(factory, *args) if cfg.isolate else Local(factory, *args)
 
 
-#: a suite's result's key for what its children said of torch (moved into the report's
-#: environment by run_bench)
-ENVIRONMENT = "child_environment"
-
-
 def _note_environment(into: dict[str, Any], size: str, handles: Sequence[Isolated | Local]) -> None:
     """torch's side of the report's environment, as the first ready child with a model saw it,
     and how ``size``'s program ran there (``program_runner``, by model size)."""
@@ -326,9 +321,12 @@ def _lone_process(variant: str) -> str:
     return variant.removesuffix("-hot")
 
 
-def run_throughput(cfg: BenchConfig, log: Log) -> dict[str, Any]:
+def run_throughput(
+    cfg: BenchConfig, log: Log, environment: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The sweep; torch's side of the run's ``environment`` is noted there, as children saw it."""
     workdir = Path(cfg.workdir)
-    environment: dict[str, Any] = {}
+    environment = {} if environment is None else environment
     rows: list[dict[str, Any]] = []
     skipped: list[dict[str, str]] = []
     notes: list[dict[str, str]] = []
@@ -412,7 +410,6 @@ def run_throughput(cfg: BenchConfig, log: Log) -> dict[str, Any]:
         "notes": notes,
         "checks": [c.as_dict() for c in throughput_checks(samples, cfg)],
         "noise_floor": noise_floor(samples, cfg),
-        ENVIRONMENT: environment,
     }
 
 
@@ -498,10 +495,13 @@ def run_overhead(cfg: BenchConfig, log: Log) -> dict[str, Any]:
     return {"rows": rows, "checks": [c.as_dict() for c in checks]}
 
 
-def run_latency(cfg: BenchConfig, log: Log) -> dict[str, Any]:
+def run_latency(
+    cfg: BenchConfig, log: Log, environment: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """A lone request against its bound; torch's side of ``environment`` is noted there."""
     workdir = Path(cfg.workdir)
     variants = cfg.lone_variants
-    environment: dict[str, Any] = {}
+    environment = {} if environment is None else environment
     rows: list[dict[str, Any]] = []
     checks: list[Check] = []
     for size in cfg.models:
@@ -568,7 +568,7 @@ def run_latency(cfg: BenchConfig, log: Log) -> dict[str, Any]:
                     f"{statistics.median(per['dynamic-asyncio']):.2f} ms vs bound {bound:.2f} ms",
                 )
             )
-    return {"rows": rows, "checks": [c.as_dict() for c in checks], ENVIRONMENT: environment}
+    return {"rows": rows, "checks": [c.as_dict() for c in checks]}
 
 
 # -- the whole run -------------------------------------------------------------------------------
@@ -618,20 +618,16 @@ def run_bench(cfg: BenchConfig, log: Log, command: str = "histoinfer bench") -> 
         "environment": environment(),
     }
     if "throughput" in cfg.suites:
-        report["throughput"] = run_throughput(cfg, log)
+        report["throughput"] = run_throughput(cfg, log, report["environment"])
     if "overhead" in cfg.suites:
         report["overhead"] = run_overhead(cfg, log)
     if "latency" in cfg.suites:
-        report["latency"] = run_latency(cfg, log)
+        report["latency"] = run_latency(cfg, log, report["environment"])
     if "profile" in cfg.suites:
         from .profile import run_profile
 
         report["profile"] = run_profile(cfg, log)
     env = report["environment"]
-    for suite in ("throughput", "latency"):
-        seen = report.get(suite, {}).pop(ENVIRONMENT, {})
-        env.setdefault("program_runner", {}).update(seen.pop("program_runner", {}))
-        env.update(seen)
     if "torch" not in env:  # no child with a model (the overhead or profile suite alone, HTTP)
         from .children import torch_environment
 
