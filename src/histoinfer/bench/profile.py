@@ -67,6 +67,8 @@ def _per_call(fn: Callable[[int], object], calls: int, repeats: int = 3) -> tupl
 _FAST_PNG_STEPS = {
     "libspng (imagecodecs)": "PNG decode (libspng via imagecodecs, `fast`)",
     "Wuffs (pywuffs)": "PNG decode (Wuffs via pywuffs, `wuffs`)",
+    "libdeflate + libspng (imagecodecs)": "PNG decode (libdeflate + libspng, `fast`)",
+    "libdeflate + Wuffs": "PNG decode (libdeflate + Wuffs, `fast` + `wuffs`)",
 }
 
 #: step name -> (function name py-spy sees, tiles per call)
@@ -78,6 +80,8 @@ STEP_NAMES: dict[str, tuple[str, int]] = {
     "PNG decode (Pillow: open + load)": ("step_png_decode", 1),
     "PNG decode (libspng via imagecodecs, `fast`)": ("step_png_spng", 1),
     "PNG decode (Wuffs via pywuffs, `wuffs`)": ("step_png_wuffs", 1),
+    "PNG decode (libdeflate + libspng, `fast`)": ("step_png_deflate_spng", 1),
+    "PNG decode (libdeflate + Wuffs, `fast` + `wuffs`)": ("step_png_deflate_wuffs", 1),
     "resize 256->224 (not on the 224 path)": ("step_resize", 1),
     "tensor build (tobytes + frombuffer)": ("step_tensor", 1),
     "prepare_sample total (base64..tensor)": ("step_prepare", 1),
