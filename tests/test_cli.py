@@ -160,6 +160,25 @@ def test_serve_refuses_a_model_name_that_is_not_a_route(
     assert "without '/'" in capsys.readouterr().err
 
 
+def test_serve_names_each_client_after_its_route(tiny_checkpoint: Path) -> None:
+    """One model under two routes: each client's errors and logs say which route."""
+    import argparse
+
+    from histoinfer.server.cli import configure, model_sources
+
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    ckpt = str(tiny_checkpoint)
+    args = parser.parse_args(
+        ["--model", "fast=h1", "--checkpoint", ckpt, "--model", "slow=h1", "--checkpoint", ckpt]
+    )
+    sources = model_sources(args)
+    for route in ("fast", "slow"):
+        client = sources[route]()  # type: ignore[operator]
+        with client:
+            assert repr(client).startswith(f"<InProcessClient {route!r}")
+
+
 def test_demo_refuses_a_tile_of_zero(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--tile", "0"]) == 1
     assert "--tile must be positive" in capsys.readouterr().err

@@ -24,10 +24,12 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from histoinfer import Client, InProcessClient, ServerModel
+from histoinfer.clients import inprocess
 from histoinfer.errors import (
     ClientClosedError,
     InvalidRequestError,
     ModelExecutionError,
+    OverloadedError,
     UnsupportedModeError,
 )
 from histoinfer.models import BatchOutput
@@ -46,6 +48,7 @@ class CountingModel(H1ServerModel):
         self.calls: list[tuple[int, Mode]] = []
         self.poison = False
         self.nan_on_white = False
+        self.fail_above: int | None = None  # passes of more tiles fail, as out of memory
         self.gate: threading.Event | None = None
         self.entered = threading.Event()
         self._lock = threading.Lock()
@@ -60,6 +63,8 @@ class CountingModel(H1ServerModel):
         white = (batch == 255).flatten(1).all(1)
         if self.poison and bool(white.any()):
             raise RuntimeError("poisoned tile")
+        if self.fail_above is not None and batch.shape[0] > self.fail_above:
+            raise RuntimeError(f"out of memory for {batch.shape[0]} tiles")
         output = super().forward_batch(batch, mode)
         if self.nan_on_white:
 
@@ -502,6 +507,42 @@ def test_a_failing_tile_in_a_batch_is_named(client: InProcessClient, model: Coun
     assert len(client.predict_batch([bodies[0], bodies[2]])) == 2
 
 
+def test_a_pass_that_fails_only_at_its_size_is_bisected_and_every_tile_answered(
+    client: InProcessClient, model: CountingModel
+) -> None:
+    """As the scheduler does for a dynamic batch: a GPU out of memory at 4 tiles still
+    answers every tile, in halves, instead of failing a batch whose tiles all work."""
+    bodies = [make_body(i) for i in range(8)]
+    expected = client.predict_batch(bodies)
+    model.reset()
+    model.fail_above = 2
+    assert client.predict_batch(bodies) == expected
+    assert model.sizes() == [4, 2, 2, 4, 2, 2]
+    model.fail_above = 0  # every pass fails: every tile named, once alone
+    model.reset()
+    with pytest.raises(ModelExecutionError) as info:
+        client.predict_batch(bodies[:4])
+    named = {int(m) for m in re.findall(r"batch position (\d+)", str(info.value))}
+    assert named == {0, 1, 2, 3} and "out of memory for 1 tiles" in str(info.value)
+    assert sorted(model.sizes()) == [1, 1, 1, 1, 2, 2, 4]
+
+
+def test_non_finite_outputs_in_a_batch_name_every_position(
+    client: InProcessClient, model: CountingModel
+) -> None:
+    model.nan_on_white = True
+    bodies = [make_body(0), white_body(1), make_body(2), white_body(3)]  # one chunk
+    before = client.stats()["predict"].errors
+    with pytest.raises(ModelExecutionError) as info:
+        client.predict_batch(bodies)
+    message = str(info.value)
+    assert "non-finite" in message
+    for position in (1, 3):
+        assert f"batch position {position} (patch_idx={position}" in message
+    assert "batch position 0" not in message and "batch position 2" not in message
+    assert client.stats()["predict"].errors == before + 1
+
+
 @pytest.mark.anyio
 async def test_a_failing_async_call_names_its_tile(
     client: InProcessClient, model: CountingModel
@@ -526,6 +567,60 @@ async def test_non_finite_outputs_are_a_model_error_for_that_tile(
         with pytest.raises(ModelExecutionError, match="patch_idx=5"):
             await anyio.to_thread.run_sync(client.predict_batch, [make_body(4), white_body(5)])
         assert json.loads(await client.predict_async(make_body(4)))["output"]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("overload", ["reject", "wait"])
+async def test_batch_size_1_calls_are_bounded_by_max_queue(
+    model: CountingModel, overload: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SPEC §5, "the queue is bounded", in explicit mode too: its async calls queue on the
+    device's thread, ``max_queue`` per loop and mode; the next is refused at once, or waits for
+    room before it is even decoded (unbounded, it would be decoded and queue for the device)."""
+    decoded: list[int] = []
+    real_prepare = inprocess._prepare
+
+    def watched_prepare(model: ServerModel, body: str | bytes, *args: Any, **kw: Any) -> Any:
+        prepared = real_prepare(model, body, *args, **kw)
+        decoded.append(prepared[0].patch_idx)
+        return prepared
+
+    monkeypatch.setattr(inprocess, "_prepare", watched_prepare)
+    gate = model.gate = threading.Event()
+    client = InProcessClient(
+        model,
+        dynamic_batching=False,
+        max_queue=2,
+        overload=overload,
+        name="slow",  # a route's name (the server's CLI passes it): errors say it
+    )
+    done: dict[int, int] = {}
+
+    async def call(i: int) -> None:
+        done[i] = json.loads(await client.predict_async(make_body(i)))["patch_idx"]
+
+    try:
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(call, 0)
+                await wait_until(model.entered.is_set)  # its pass holds the device
+                tg.start_soon(call, 1)
+                await wait_until(lambda: 1 in decoded)  # decoded, queued for the device
+                if overload == "reject":
+                    with pytest.raises(OverloadedError) as info:
+                        await client.predict_async(make_body(2))
+                    assert "slow:predict: queue full (2 requests admitted)" in str(info.value)
+                else:
+                    tg.start_soon(call, 2)
+                    await wait_until(lambda: client._calls.active == 3)
+                    await anyio.sleep(0.3)
+                    assert 2 not in decoded  # call 2 waits for room, undecoded
+                gate.set()
+    finally:
+        gate.set()
+        await client.aclose()
+    calls = [0, 1] if overload == "reject" else [0, 1, 2]
+    assert done == {i: i for i in calls}
 
 
 # -- lifecycle ------------------------------------------------------------------------------
@@ -747,3 +842,9 @@ def test_batch_decode_threads_still_name_every_bad_position(model: CountingModel
 def test_batch_decode_threads_is_checked(model: CountingModel, value: Any) -> None:
     with pytest.raises(ValueError, match="batch_decode_threads"):
         InProcessClient(model, batch_decode_threads=value)
+
+
+@pytest.mark.parametrize("value", ["", 3])
+def test_name_is_checked(model: CountingModel, value: Any) -> None:
+    with pytest.raises(ValueError, match="name must be a non-empty string"):
+        InProcessClient(model, name=value)

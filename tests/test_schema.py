@@ -105,6 +105,23 @@ def test_batch_position_is_named() -> None:
         parse_request(body(x=-1), position=7)
 
 
+@pytest.mark.parametrize("raw", [body(x=-1), "\ufeff" + body(x=-1), "\ufeff{"])
+def test_a_body_is_worded_alike_as_str_and_as_bytes(raw: str) -> None:
+    """In-process bodies are str, the server's are bytes: one body, one message (json.loads
+    alone skips a UTF-8 BOM in bytes but not in a str)."""
+    messages = []
+    for sent in (raw, raw.encode()):
+        with pytest.raises(InvalidRequestError) as info:
+            parse_request(sent)
+        messages.append(str(info.value))
+    assert messages[0] == messages[1]
+
+
+def test_an_invalid_invocation_names_its_patch_idx() -> None:
+    with pytest.raises(InvalidRequestError, match=r"invalid invocation \(patch_idx=3\): .*'x'"):
+        parse_model(InvocationRequest, body(x=-1, model_name="h1", mode="prediction"), "invocation")
+
+
 def test_every_problem_of_a_body_is_reported() -> None:
     with pytest.raises(InvalidRequestError) as info:
         parse_request(body(x=-1, tissue_ratio=3.0, extra=1))

@@ -250,9 +250,9 @@ async def test_invocations_in_every_mode(tiny_model):
         assert "model_name" in p["detail"]
         unknown = json.dumps(request_dict(0, model_name="h9", mode="prediction"))
         assert_problem(await http.post("/invocations", content=unknown), 404, "unknown-model")
-        bad_x = json.dumps(request_dict(0, model_name="h1", mode="embedding", x=-3))
+        bad_x = json.dumps(request_dict(5, model_name="h1", mode="embedding", x=-3))
         p = assert_problem(await http.post("/invocations", content=bad_x), 422)
-        assert "'x'" in p["detail"]
+        assert "'x'" in p["detail"] and "(patch_idx=5)" in p["detail"]  # as /api/... words it
         extra = json.dumps(request_dict(0, model_name="h1", mode="embedding", colour="red"))
         p = assert_problem(await http.post("/invocations", content=extra), 422)
         assert "colour" in p["detail"]

@@ -129,7 +129,7 @@ async def test_random_scheduler_traffic_keeps_every_promise(
     assert sched.queue_depth == 0 and sched._incoming == 0
     if max_queue is not None:  # every admission was given back
         for _ in range(max_queue):
-            sched._admission.acquire_nowait()  # type: ignore[union-attr]
+            sched._admission._room.acquire_nowait()  # type: ignore[union-attr]
 
 
 def _tile_request(tile: int, request: int) -> str:

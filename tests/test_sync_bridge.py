@@ -145,6 +145,36 @@ async def test_a_worker_thread_sync_call_whose_host_is_already_cancelled(
         assert outputs_close(await call(client, 0), expected(client.server_model, [0])[0])
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_sync_call_from_a_worker_thread_that_outlived_its_loop(
+    client: InProcessClient, backend: str
+) -> None:
+    """A thread its host abandoned (``abandon_on_cancel=True``) calls predict() after the
+    host's loop ended: it runs in the client's portal, as from any other thread, instead of
+    failing with anyio's RunFinishedError."""
+    outcome: list[object] = []
+    done = threading.Event()
+
+    def worker() -> None:
+        time.sleep(0.3)  # meanwhile, the host gives up on this thread and its loop ends
+        try:
+            outcome.append(client.predict(body(0)))
+        except BaseException as exc:  # reported below, whatever it is
+            outcome.append(exc)
+        done.set()
+
+    async def host() -> None:
+        with anyio.move_on_after(0.05):
+            await anyio.to_thread.run_sync(worker, abandon_on_cancel=True)
+
+    anyio.run(host, backend=backend)
+    assert done.wait(30), "the abandoned thread's call never returned"
+    [result] = outcome
+    assert isinstance(result, str), result
+    assert outputs_close(result, expected(client.server_model, [0])[0])
+
+
 @pytest.mark.timeout(90)
 def test_close_lets_sync_calls_in_flight_finish_then_refuses(tiny_model: ServerModel) -> None:
     client = InProcessClient(tiny_model, max_batch_size=8)

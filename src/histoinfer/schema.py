@@ -178,6 +178,10 @@ def _describe_errors(exc: ValidationError) -> str:
 
 def _patch_idx_hint(body: str | bytes) -> str:
     """Best-effort patch_idx of an invalid body, for the error message only."""
+    if isinstance(body, (bytes, bytearray)):
+        # As the body's parser reads bytes: json.loads would skip a UTF-8 BOM in bytes (not in
+        # a str), and the same body would be worded differently over HTTP and in-process.
+        body = bytes(body).decode("utf-8", "replace")
     try:
         raw = json.loads(body)
     except (ValueError, TypeError, RecursionError):  # RecursionError: deeply nested JSON
@@ -211,4 +215,6 @@ def parse_model(model: type[BaseModel], body: str | bytes, what: str) -> Any:
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
-        raise InvalidRequestError(f"invalid {what}: {_describe_errors(exc)}") from None
+        raise InvalidRequestError(
+            f"invalid {what}{_patch_idx_hint(body)}: {_describe_errors(exc)}"
+        ) from None

@@ -54,7 +54,8 @@ import anyio.to_thread
 import sniffio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ..errors import ClientClosedError, DeadlineExceededError, InferenceError, OverloadedError
+from ..errors import ClientClosedError, DeadlineExceededError, InferenceError
+from .admission import Admission, deadline_exceeded, deadline_from
 from .perloop import call_soon_in_loop, current_loop_key, wait_future
 from .stats import BatchStats
 
@@ -202,8 +203,8 @@ class BatchScheduler(Generic[T, R]):
         # Made outside a loop, these bind lazily to the first (and only) loop that uses them.
         self._limiter = limiter if limiter is not None else anyio.CapacityLimiter(1)
         self._thread = thread
-        self._admission = (
-            anyio.Semaphore(max_queue, fast_acquire=True) if max_queue is not None else None
+        self._admission = Admission(
+            name, max_queue, on_deadline=partial(self._count, self.stats.record_error, "deadline")
         )
         self._on_exit = on_exit
         # Made when the runner starts: a scheduler never used would hold streams nobody closes
@@ -311,28 +312,8 @@ class BatchScheduler(Generic[T, R]):
     async def _admit(self, wait: bool, deadline: float | None) -> None:
         if self._closing:
             raise ClientClosedError(f"{self.name}: the scheduler is closed")
-        if self._admission is not None:
-            await self._acquire_room(wait, deadline)
+        await self._admission.acquire(wait, deadline)
         self._admitted += 1
-
-    async def _acquire_room(self, wait: bool, deadline: float | None) -> None:
-        assert self._admission is not None
-        if not wait:
-            try:
-                self._admission.acquire_nowait()
-            except anyio.WouldBlock:
-                raise OverloadedError(
-                    f"{self.name}: queue full ({self.max_queue} requests admitted); retry later"
-                ) from None
-        elif deadline is None:
-            await self._admission.acquire()
-        else:
-            with anyio.move_on_after(deadline - time.perf_counter()):
-                await self._admission.acquire()
-                return
-            raise self._deadline_exceeded(
-                f"still waiting for room in a full queue ({self.max_queue} requests admitted)"
-            )
 
     def _deadline_exceeded(self, detail: str) -> DeadlineExceededError:
         self._count(self.stats.record_error, "deadline")
@@ -340,8 +321,7 @@ class BatchScheduler(Generic[T, R]):
 
     def _release(self) -> None:
         self._admitted -= 1
-        if self._admission is not None:
-            self._admission.release()
+        self._admission.release()
 
     async def _enqueue_and_wait(self, item: T, deadline: float | None) -> R:
         now = time.perf_counter()
@@ -638,17 +618,6 @@ class BatchScheduler(Generic[T, R]):
             return results
         ran = iter(results)
         return [next(ran) if p.state == _RUNNING else _Left() for p in pendings]
-
-
-def deadline_from(timeout: float | None) -> float | None:
-    """``timeout`` seconds from now, on ``time.perf_counter()``'s clock (None: no deadline)."""
-    return None if timeout is None else time.perf_counter() + timeout
-
-
-def deadline_exceeded(name: str, detail: str) -> DeadlineExceededError:
-    """The error of a request that did not reach its batch function in time, worded alike
-    wherever it is raised (the scheduler; ``InProcessClient``'s batch-size-1 calls)."""
-    return DeadlineExceededError(f"{name}: request not dispatched within its deadline: {detail}")
 
 
 class Reservation(Generic[T, R]):

@@ -47,7 +47,7 @@ import torch
 from anyio._core._eventloop import threadlocals as _anyio_threadlocals
 
 from ..batching import BatchScheduler, BatchStats, PerLoop, StatsSnapshot, wait_future
-from ..batching.scheduler import deadline_exceeded, deadline_from
+from ..batching.admission import Admission, deadline_exceeded, deadline_from
 from ..errors import (
     ClientClosedError,
     DeadlineExceededError,
@@ -68,6 +68,10 @@ from .portal import PortalThread
 __all__ = ["InProcessClient"]
 
 log = logging.getLogger("histoinfer.client")
+
+# What from_thread.run raises once the host loop has ended (anyio 4.16 has it; an older anyio
+# without it: a class never raised, and the call fails as it always did).
+_RunFinished: type[Exception] = getattr(anyio, "RunFinishedError", type("_Never", (Exception,), {}))
 T = TypeVar("T")
 
 Prepared = tuple[ModelRequest, torch.Tensor]
@@ -244,6 +248,8 @@ class _LoopState:
             )
             for i in range(owner.prepare_threads if owner.dynamic_batching else 0)
         ]
+        # Batch-size-1 calls queue on the device's thread, not in a scheduler: their bound.
+        self.admissions: dict[Mode, Admission] = {}
         self._client = client
         self._key = key
 
@@ -260,6 +266,21 @@ class _LoopState:
     def decoder(self) -> BatchScheduler[tuple[str | bytes, Mode], Prepared]:
         """The decode scheduler with the shortest queue."""
         return min(self.decoders, key=lambda decoder: decoder.queue_depth)
+
+    def admission(self, mode: Mode) -> Admission:
+        """What admits this loop's batch-size-1 calls in ``mode``: ``max_queue`` of them at
+        once, the rest waiting or refused as a dynamic call would be by its scheduler."""
+        admission = self.admissions.get(mode)
+        if admission is None:
+            client = self._client()
+            if client is None:  # pragma: no cover - a call in flight holds the client
+                raise ClientClosedError("the client was garbage-collected")
+            admission = self.admissions[mode] = Admission(
+                f"{client._model_name}:{mode}",
+                client.max_queue,
+                on_deadline=partial(client._stats[mode].record_error, "deadline"),
+            )
+        return admission
 
     def scheduler(self, mode: Mode) -> BatchScheduler[_Job, SampleOutput]:
         scheduler = self.schedulers.get(mode)
@@ -325,6 +346,9 @@ class InProcessClient(ClosingContext):
             1: in the calling thread, one after another). More decode a batch in parallel
             before its forward pass: ~1.25x the throughput of ``predict_batch`` with 2 on 2
             cores (docs/benchmarks-history.md). Results are the same either way.
+        name: what its errors, logs and threads call it (``"NAME:mode: queue full ..."``);
+            by default the model's name. The server's CLI passes the route's name, so a
+            model served under two names (``--model fast=h1 --model slow=h1``) says which.
     """
 
     def __init__(
@@ -339,6 +363,7 @@ class InProcessClient(ClosingContext):
         request_timeout: float | None = None,
         overload: Literal["wait", "reject"] = "wait",
         batch_decode_threads: int = 1,
+        name: str | None = None,
     ) -> None:
         # Refused here, naming the argument: accepted, each would fail every call later.
         _check_count("max_batch_size", max_batch_size)
@@ -359,7 +384,9 @@ class InProcessClient(ClosingContext):
         self.batch_decode_threads = batch_decode_threads
         self._batch_decoder: ThreadPoolExecutor | None = None
         self._wait_for_room = overload == "wait"
-        self._model_name = server_model.metadata().name
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ValueError(f"name must be a non-empty string, got {name!r}")
+        self._model_name = name or server_model.metadata().name
         # Every forward pass on the device's one thread, one at a time across every loop, thread
         # and client (SPEC §5), and one OpenMP team (models/device_thread.py).
         self._device_thread = device_thread(server_model.device)
@@ -520,15 +547,31 @@ class InProcessClient(ClosingContext):
             else:
                 job, output = await self._infer_unbatched(state, body, mode)
             assert job.request is not None
-            return self._finish(job.request, output, mode)
+            try:
+                return self._finish(job.request, output, mode)
+            except ModelExecutionError as exc:  # NaN or infinity: counted as a batch's are
+                self._stats[mode].record_error(type(exc).__name__)
+                raise
 
     async def _infer_unbatched(
         self, state: _LoopState, body: str | bytes, mode: Mode
     ) -> tuple[_Job, SampleOutput]:
         """Batch size 1 (``dynamic_batching=False``): decode the body, then run its tile alone.
         ``request_timeout`` bounds the wait for decoding and for the device, as a dynamic
-        call's deadline does: a call not started in time never runs."""
+        call's deadline does: a call not started in time never runs. ``max_queue`` of them
+        per loop and mode are in at once; the next waits for room or is refused (``overload``),
+        as a dynamic call is by its scheduler."""
         start_by = deadline_from(self.request_timeout)
+        admission = state.admission(mode)
+        await admission.acquire(self._wait_for_room, start_by)
+        try:
+            return await self._run_unbatched(state, body, mode, start_by)
+        finally:
+            admission.release()
+
+    async def _run_unbatched(
+        self, state: _LoopState, body: str | bytes, mode: Mode, start_by: float | None
+    ) -> tuple[_Job, SampleOutput]:
         limiter = state.prepare_limiter
         if self._alone(body, others=limiter.borrowed_tokens):
             job = _Job(body=body)  # decoded on the device's thread
@@ -609,6 +652,7 @@ class InProcessClient(ClosingContext):
             for start in range(0, len(prepared), self.max_batch_size):
                 chunk = prepared[start : start + self.max_batch_size]
                 outputs = self._forward_chunk(chunk, mode, start)
+                self._check_finite(chunk, outputs, mode, start)
                 responses.extend(
                     self._finish(request, output, mode)
                     for (request, _), output in zip(chunk, outputs, strict=True)
@@ -635,6 +679,38 @@ class InProcessClient(ClosingContext):
             raise
 
     def _forward_chunk(self, chunk: list[Prepared], mode: Mode, offset: int) -> list[SampleOutput]:
+        outputs, failing = self._forward_bisecting(chunk, mode, offset)
+        if failing:
+            raise ModelExecutionError("forward pass failed for " + "; ".join(failing))
+        return outputs
+
+    def _check_finite(
+        self, chunk: list[Prepared], outputs: list[SampleOutput], mode: Mode, offset: int
+    ) -> None:
+        """Name every tile of the chunk whose output is NaN or infinite (``postprocess`` would
+        stop at the first), as a failed forward pass names every failing tile."""
+        bad = [
+            f"batch position {offset + i} ({request.where()})"
+            for i, ((request, _), output) in enumerate(zip(chunk, outputs, strict=True))
+            if not output.finite
+        ]
+        if bad:
+            self._stats[mode].record_error(ModelExecutionError.__name__)
+            raise ModelExecutionError(
+                f"model {self.server_model.metadata().name!r} produced non-finite values "
+                "(NaN or infinity) "
+                "for " + "; ".join(bad)
+            )
+
+    def _forward_bisecting(
+        self, chunk: list[Prepared], mode: Mode, offset: int
+    ) -> tuple[list[SampleOutput], list[str]]:
+        """The chunk's outputs, and the tiles that fail alone (by batch position).
+
+        A pass that raises is run again as two halves, as the scheduler bisects a failed
+        batch: a pass that fails only at this size (a GPU out of memory) still answers every
+        tile, as it would through ``predict_async``, and a tile that fails alone is named.
+        """
         stats = self._stats[mode]
         started = time.perf_counter()
         try:
@@ -642,34 +718,27 @@ class InProcessClient(ClosingContext):
                 _forward, self.server_model, [tile for _, tile in chunk], mode
             )
         except Exception as exc:
-            stats.record_error(type(exc).__name__)
-            raise self._isolate_failures(chunk, mode, offset, exc) from exc
+            if len(chunk) == 1:
+                stats.record_error(type(exc).__name__)
+                return [], [f"batch position {offset} ({chunk[0][0].where()}): {exc!r}"]
+            name = f"{self._model_name}:{mode}"
+            log.warning("%s: batch of %d failed (%r); bisecting", name, len(chunk), exc)
+            middle = len(chunk) // 2
+            first, failed_first = self._forward_bisecting(chunk[:middle], mode, offset)
+            second, failed_second = self._forward_bisecting(chunk[middle:], mode, offset + middle)
+            return first + second, failed_first + failed_second
         stats.record_batch(len(chunk), [0.0] * len(chunk), time.perf_counter() - started)
-        return outputs
-
-    def _isolate_failures(
-        self, chunk: list[Prepared], mode: Mode, offset: int, exc: Exception
-    ) -> ModelExecutionError:
-        """Re-run a failed chunk tile by tile, to name exactly the positions that fail."""
-        failing = []
-        for i, (request, tile) in enumerate(chunk):
-            try:
-                self._device_thread.call(_forward, self.server_model, [tile], mode)
-            except Exception as single:
-                failing.append(f"batch position {offset + i} ({request.where()}): {single!r}")
-        if not failing:
-            return ModelExecutionError(
-                f"forward pass failed for the batch at positions "
-                f"{offset}-{offset + len(chunk) - 1} but every tile succeeds alone: {exc!r}"
-            )
-        return ModelExecutionError("forward pass failed for " + "; ".join(failing))
+        return outputs, []
 
     # -- sync bridge and bookkeeping ---------------------------------------------------------
 
     def _run_sync(self, fn: Callable[[str], Coroutine[Any, Any, T]], body: str) -> T:
         if getattr(_anyio_threadlocals, "current_token", None) is not None:
             # In an anyio worker thread: run in the host loop, and batch with it.
-            return anyio.from_thread.run(_in_host_loop, fn, body)
+            try:
+                return anyio.from_thread.run(_in_host_loop, fn, body)
+            except _RunFinished:
+                pass  # a thread its host abandoned, whose loop has ended: as any other thread
         # Any other thread (a plain thread, or one whose loop is running, like a notebook
         # cell): the client's own portal. Sync calls from many threads batch together there.
         portal = self._get_portal()

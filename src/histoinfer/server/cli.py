@@ -144,6 +144,7 @@ def model_sources(args: argparse.Namespace) -> dict[str, ClientSource]:
             max_queue=args.max_queue,
             request_timeout=args.request_timeout,
             overload="reject",  # the server answers 503 at once rather than queueing forever
+            name=name,  # errors and logs name the route
         )
     return sources
 
