@@ -485,6 +485,43 @@ async def test_a_batch_waiting_for_a_busy_thread_runs_without_those_whose_deadli
     assert snap.samples == 1 and snap.error_kinds == {"deadline": 1}
 
 
+async def test_a_finished_batchs_callers_do_not_wait_behind_other_work_on_its_thread() -> None:
+    """A finished batch's callers are woken as the next batch starts on the thread (so that
+    handing it over comes first). When the thread is busy with other work (another loop's
+    pass on a shared device: one image per thread), the next batch waits behind it, and they
+    would too: ``thread_idle`` says so, and they are woken at once."""
+    worker = DeviceThread("test-shared-device")
+    first, other = threading.Event(), threading.Event()
+    calls: list[list[int]] = []
+
+    def fn(items: list[int]) -> list[int]:
+        calls.append(list(items))
+        if items == [1]:
+            assert first.wait(10)
+        return [10 * i for i in items]
+
+    sched = BatchScheduler(
+        fn, max_batch_size=8, max_wait_ms=0, thread=worker.submit, thread_idle=lambda: worker.idle
+    )
+    results: dict[int, Any] = {}
+    try:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                spawn_submit(tg, sched.submit, 1, results)
+                await wait_until(lambda: calls == [[1]])  # batch 1 holds the thread
+                worker.submit(other.wait, 10)  # another loop's pass, next in line
+                spawn_submit(tg, sched.submit, 2, results)  # and this loop's next batch
+                await wait_until(lambda: sched.queue_depth == 1)
+                first.set()
+                await wait_until(lambda: 1 in results)  # the other pass still holds the thread
+                assert 2 not in results and calls == [[1]]
+                other.set()
+    finally:
+        first.set()
+        other.set()
+    assert results == {1: 10, 2: 20} and calls == [[1], [2]]
+
+
 async def test_a_caller_cancelled_while_its_batch_waits_for_its_thread_is_left_out() -> None:
     worker = DeviceThread("test-busy-device")
     release = threading.Event()

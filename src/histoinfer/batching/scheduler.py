@@ -107,7 +107,8 @@ class _Pending(Generic[T, R]):
 
 class _Handoff(Generic[T, R]):
     """A finished batch whose callers are woken a little later: by the forward thread as it
-    starts the next batch, or by the runner before it waits for anything. Waking them first
+    starts the next batch, or by the runner before it waits for anything (or at once, when the
+    next batch would wait for a thread busy with other work). Waking them first
     would let them run (serialize responses, send new requests) before the runner hands the
     next batch over, since ``to_thread.run_sync`` yields to the loop first: the device would
     idle ~7% of the time at 512 in flight (docs/benchmarks-history.md). Fired once, in the loop."""
@@ -160,6 +161,9 @@ class BatchScheduler(Generic[T, R]):
             starts a call on a thread of the caller's choosing and returns its
             ``concurrent.futures.Future`` (e.g. a dedicated device thread's ``submit``). The
             scheduler awaits it without a worker thread of its own; ``limiter`` is then unused.
+        thread_idle: with ``thread``, whether it has nothing queued or running. A finished
+            batch's callers are woken as the next batch starts there, unless it is busy with
+            other work: the next batch would wait behind that, and they with it.
         stats: where to record batches and waits; by default a fresh :class:`BatchStats`.
         on_exit: called once when the runner ends (its loop ended or the scheduler closed).
     """
@@ -176,6 +180,7 @@ class BatchScheduler(Generic[T, R]):
             [Callable[[], Sequence[R | BaseException]]], Future[Sequence[R | BaseException]]
         ]
         | None = None,
+        thread_idle: Callable[[], bool] | None = None,
         stats: BatchStats | None = None,
         name: str = "batch",
         on_exit: Callable[[], None] | None = None,
@@ -203,6 +208,7 @@ class BatchScheduler(Generic[T, R]):
         # Made outside a loop, these bind lazily to the first (and only) loop that uses them.
         self._limiter = limiter if limiter is not None else anyio.CapacityLimiter(1)
         self._thread = thread
+        self._thread_idle = thread_idle
         self._admission = Admission(
             name, max_queue, on_deadline=partial(self._count, self.stats.record_error, "deadline")
         )
@@ -561,6 +567,12 @@ class BatchScheduler(Generic[T, R]):
             if p.state == _RUNNING:
                 p.state = _DISPATCHED
         handoff, self._handoff = self._handoff, None
+        if handoff is not None and self._thread_idle is not None and not self._thread_idle():
+            # The thread is busy with other work (another loop's pass on a shared device):
+            # this batch will wait behind it, and so would the last one's callers. Wake them
+            # now; the device has work meanwhile.
+            handoff.fire()
+            handoff = None
         try:
             if self._thread is not None:
                 results = await wait_future(self._thread(partial(self._call, pendings, handoff)))

@@ -288,7 +288,7 @@ class _LoopState:
             client = self._client()
             if client is None:  # pragma: no cover - a call in flight holds the client
                 raise ClientClosedError("the client was garbage-collected")
-            loops, key = client._loops, self._key
+            loops, key, device = client._loops, self._key, client._device_thread
             scheduler = self.schedulers[mode] = BatchScheduler(
                 partial(
                     _forward_jobs,
@@ -300,7 +300,10 @@ class _LoopState:
                 max_batch_size=client.max_batch_size,
                 max_wait_ms=client.max_wait_ms,
                 max_queue=client.max_queue,
-                thread=client._device_thread.submit,
+                thread=device.submit,
+                # Shared by every loop and client on the device: busy with another's pass,
+                # the last batch's callers are woken at once rather than behind it.
+                thread_idle=lambda: device.idle,
                 stats=client._stats[mode],
                 name=f"{client._model_name}:{mode}",
                 on_exit=partial(loops.discard, key, self),
