@@ -701,8 +701,7 @@ class InProcessClient(ClosingContext):
             self._stats[mode].record_error(ModelExecutionError.__name__)
             raise ModelExecutionError(
                 f"model {self.server_model.metadata().name!r} produced non-finite values "
-                "(NaN or infinity) "
-                "for " + "; ".join(bad)
+                "(NaN or infinity) for " + "; ".join(bad)
             )
 
     def _forward_bisecting(
