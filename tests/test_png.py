@@ -126,6 +126,21 @@ def test_pixel_data_of_the_wrong_length_is_refused(decoder: png.FastDecoder, ext
 
 
 @by_name
+def test_idat_chunks_separated_by_another_chunk_are_left_to_pillow(
+    decoder: png.FastDecoder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PNG wants its IDAT chunks consecutive; such a file gets Pillow's answer, whatever it is."""
+    parts = chunks(tile_png(size=224))
+    idats = [i for i, (kind, _) in enumerate(parts) if kind == b"IDAT"]
+    assert len(idats) >= 2  # Pillow splits 224 px of noise over several
+    split = [*parts[: idats[1]], (b"teXt", b"Comment\x00between"), *parts[idats[1] :]]
+    raw = assemble(split)
+    with pytest.raises(ValueError, match="IDAT chunks separated"):
+        decoder.decode(raw)
+    decoder.decode(assemble(parts))  # consecutive: decodes
+
+
+@by_name
 def test_a_png_of_too_many_chunks_after_its_pixels_is_left_to_pillow(
     decoder: png.FastDecoder, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -137,7 +137,7 @@ class _Inflated:
         size = height * (1 + width * self.CHANNELS[color_type])
         view = memoryview(raw)
         payloads: list[memoryview] = []
-        position = 8
+        previous, position = b"", 8
         for _ in range(self.MAX_CHUNKS):
             length, kind = struct.unpack_from(">I4s", raw, position)
             end = position + 8 + length
@@ -145,9 +145,13 @@ class _Inflated:
             if self.crc32(view[position + 4 : end]) != crc:
                 raise ValueError(f"bad CRC-32 in a {kind!r} chunk")
             if kind == b"IDAT":
+                if payloads and previous != b"IDAT":
+                    # The spec wants them consecutive; Pillow would not read past the gap.
+                    raise ValueError("IDAT chunks separated by another chunk")
                 payloads.append(view[position + 8 : end])
             elif kind == b"IEND":
                 break
+            previous = kind
             position = end + 4
         else:
             raise ValueError(f"more than {self.MAX_CHUNKS} chunks")
