@@ -126,6 +126,15 @@ def test_pixel_data_of_the_wrong_length_is_refused(decoder: png.FastDecoder, ext
 
 
 @by_name
+def test_an_ihdr_of_another_length_is_refused(decoder: png.FastDecoder) -> None:
+    """The stored PNG copies the first 33 bytes as the header: they must be exactly it."""
+    parts = chunks(tile_png(size=32))
+    raw = assemble([(b"IHDR", parts[0][1] + b"\x00"), *parts[1:]])  # 14 bytes, CRC right
+    with pytest.raises(ValueError, match="not 13 bytes"):
+        decoder.decode(raw)
+
+
+@by_name
 def test_idat_chunks_separated_by_another_chunk_are_left_to_pillow(
     decoder: png.FastDecoder, monkeypatch: pytest.MonkeyPatch
 ) -> None:

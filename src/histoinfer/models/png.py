@@ -133,6 +133,8 @@ class _Inflated:
 
     def scanlines(self, raw: bytes) -> bytes:
         """The filtered scanlines of an image :meth:`takes` takes, every checksum checked."""
+        if raw[8:12] != b"\x00\x00\x00\x0d":  # IHDR is 13 bytes: :meth:`stored` copies it so
+            raise ValueError("an IHDR chunk that is not 13 bytes long")
         width, height, _, color_type = struct.unpack_from(">IIBB", raw, 16)
         size = height * (1 + width * self.CHANNELS[color_type])
         view = memoryview(raw)
