@@ -56,7 +56,7 @@ from ..errors import (
     ModelExecutionError,
 )
 from ..models import shards
-from ..models.base import SampleOutput, ServerModel
+from ..models.base import SampleOutput, ServerModel, non_finite_error
 from ..models.device_thread import device_thread
 from ..models.openmp import thread_count
 from ..models.registry import build_server_model
@@ -699,10 +699,7 @@ class InProcessClient(ClosingContext):
         ]
         if bad:
             self._stats[mode].record_error(ModelExecutionError.__name__)
-            raise ModelExecutionError(
-                f"model {self.server_model.metadata().name!r} produced non-finite values "
-                "(NaN or infinity) for " + "; ".join(bad)
-            )
+            raise non_finite_error(self.server_model.metadata().name, "; ".join(bad))
 
     def _forward_bisecting(
         self, chunk: list[Prepared], mode: Mode, offset: int

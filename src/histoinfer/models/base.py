@@ -31,7 +31,7 @@ from .device_thread import device_thread
 from .imaging import decode_tile
 from .scripted import script_program, scripted_equal
 
-__all__ = ["BatchOutput", "SampleOutput", "ServerModel"]
+__all__ = ["BatchOutput", "SampleOutput", "ServerModel", "non_finite_error"]
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +90,14 @@ class BatchOutput:
             if tensor is not None:
                 mask &= torch.isfinite(tensor).flatten(1).all(dim=1).cpu()
         return mask
+
+
+def non_finite_error(model: str, where: str) -> ModelExecutionError:
+    """The error of outputs with NaN or infinity (for ``where``: one tile, or several). JSON
+    has no NaN: serialized, it would become null and break the response schema."""
+    return ModelExecutionError(
+        f"model {model!r} produced non-finite values (NaN or infinity) for {where}"
+    )
 
 
 class ServerModel:
@@ -229,11 +237,7 @@ class ServerModel:
 
     def postprocess(self, request: ModelRequest, output: SampleOutput, mode: Mode) -> ModelResponse:
         if not output.finite:
-            # JSON has no NaN: serialized, it would become null and break the response schema.
-            raise ModelExecutionError(
-                f"model {self.assets.name!r} produced non-finite values (NaN or infinity) "
-                f"for {request.where()}"
-            )
+            raise non_finite_error(self.assets.name, request.where())
         values = output.embedding if mode == "embed" else output.predictions
         if values is None:
             raise InvalidRequestError(

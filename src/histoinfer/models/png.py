@@ -29,6 +29,7 @@ import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, ClassVar
 
 import numpy as np
@@ -192,39 +193,31 @@ def _libdeflate() -> _Inflated | None:
         return None
 
 
-def _spng(inflated: _Inflated | None) -> list[FastDecoder]:
+def _spng() -> FastDecoder | None:
     try:
         spng_decode = importlib.import_module("imagecodecs").spng_decode
     except (ImportError, AttributeError):
-        return []
-    found = [
-        FastDecoder(
-            "libspng (imagecodecs)",
-            # 8-bit gray, RGB and RGBA: libspng's output is then Pillow's convert("RGB"),
-            # tRNS or not.
-            takes=lambda h: h.depth == 8 and h.color_type in (_GRAY, _RGB, _RGBA),
-            decode=lambda raw: _rgb(spng_decode(raw)),
-        )
-    ]
-    if inflated is not None:
-
-        def decode(raw: bytes) -> np.ndarray:
-            return _rgb(spng_decode(inflated.stored(raw, inflated.scanlines(raw), True)))
-
-        found.insert(0, FastDecoder("libdeflate + libspng (imagecodecs)", inflated.takes, decode))
-    return found
+        return None
+    return FastDecoder(
+        "libspng (imagecodecs)",
+        # 8-bit gray, RGB and RGBA: libspng's output is then Pillow's convert("RGB"), tRNS or not.
+        takes=lambda h: h.depth == 8 and h.color_type in (_GRAY, _RGB, _RGBA),
+        decode=lambda raw: _rgb(spng_decode(raw)),
+    )
 
 
-def _wuffs(inflated: _Inflated | None) -> list[FastDecoder]:
+def _wuffs() -> tuple[FastDecoder, Callable[[bytes], np.ndarray]] | None:
+    """Wuffs, and how it decodes a PNG whose checksums were checked already (_Inflated)."""
     try:
         pywuffs = importlib.import_module("pywuffs")
         aux = importlib.import_module("pywuffs.aux")
     except ImportError:
-        return []
+        return None
     local = threading.local()  # an ImageDecoder is not thread-safe: one per thread
 
     def decoder(checksums: bool) -> Any:
-        found = getattr(local, str(checksums), None)
+        kind = "strict" if checksums else "loose"
+        found = getattr(local, kind, None)
         if found is None:
             config = aux.ImageDecoderConfig()
             config.enabled_decoders = [pywuffs.ImageDecoderType.PNG]
@@ -234,7 +227,7 @@ def _wuffs(inflated: _Inflated | None) -> list[FastDecoder]:
             # were checked before it was stored (_Inflated) goes without.
             config.quirks = {pywuffs.ImageDecoderQuirks.IGNORE_CHECKSUM: int(not checksums)}
             found = aux.ImageDecoder(config)
-            setattr(local, str(checksums), found)
+            setattr(local, kind, found)
         return found
 
     def decode(raw: bytes, checksums: bool = True) -> np.ndarray:
@@ -244,31 +237,39 @@ def _wuffs(inflated: _Inflated | None) -> list[FastDecoder]:
         pixels: np.ndarray = result.pixbuf  # a copy on each access: read it once
         return pixels
 
-    found = [
-        FastDecoder(
-            "Wuffs (pywuffs)",
-            # Opaque 8-bit images only: with alpha or tRNS, Wuffs composites where Pillow drops.
-            takes=lambda h: (
-                h.depth == 8 and h.color_type in (_GRAY, _RGB, _PALETTE) and not h.transparency
-            ),
-            decode=decode,
-        )
-    ]
-    if inflated is not None:
+    alone = FastDecoder(
+        "Wuffs (pywuffs)",
+        # Opaque 8-bit images only: with alpha or tRNS, Wuffs composites where Pillow drops.
+        takes=lambda h: (
+            h.depth == 8 and h.color_type in (_GRAY, _RGB, _PALETTE) and not h.transparency
+        ),
+        decode=decode,
+    )
+    return alone, partial(decode, checksums=False)
 
-        def decode_inflated(raw: bytes) -> np.ndarray:
-            return decode(inflated.stored(raw, inflated.scanlines(raw), False), False)
 
-        found.insert(0, FastDecoder("libdeflate + Wuffs", inflated.takes, decode_inflated))
-    return found
+def _behind_libdeflate(
+    inflated: _Inflated, name: str, decode_stored: Callable[[bytes], np.ndarray], checksums: bool
+) -> FastDecoder:
+    """``decode_stored`` unfiltering what libdeflate inflated; ``checksums``: whether it
+    checks them (then the stored PNG carries real ones)."""
+
+    def decode(raw: bytes) -> np.ndarray:
+        return decode_stored(inflated.stored(raw, inflated.scanlines(raw), checksums))
+
+    return FastDecoder(f"libdeflate + {name}", inflated.takes, decode)
 
 
 def available_decoders() -> list[FastDecoder]:
-    """The installed fast decoders, fastest first."""
-    inflated = _libdeflate()
-    wuffs, spng = _wuffs(inflated), _spng(inflated)
-    # each with libdeflate in front, then each alone (for what the former do not take)
-    return wuffs[:-1] + spng[:-1] + wuffs[-1:] + spng[-1:]
+    """The installed fast decoders, fastest first: each with libdeflate in front, then each
+    alone (for what the former do not take)."""
+    inflated, wuffs, spng = _libdeflate(), _wuffs(), _spng()
+    found: list[FastDecoder] = []
+    if inflated is not None and wuffs is not None:
+        found.append(_behind_libdeflate(inflated, "Wuffs", wuffs[1], checksums=False))
+    if inflated is not None and spng is not None:
+        found.append(_behind_libdeflate(inflated, spng.name, spng.decode, checksums=True))
+    return found + [d for d in (wuffs and wuffs[0], spng) if d is not None]
 
 
 #: what :func:`choose` picks from; tests and the bench's profile replace or read it
