@@ -256,16 +256,18 @@ def join_threads(threads: Sequence[threading.Thread], timeout: float = 60.0) -> 
 
 
 def watch_decoding(monkeypatch: Any) -> tuple[list[str], Callable[..., Any]]:
-    """Record the name of every thread that decodes a body (``clients.inprocess._prepare``,
-    whichever route the body took); returns the list and the real function."""
+    """Record the name of every thread that decodes an image (``ServerModel.prepare_sample``,
+    whichever route the body took); returns the list and the whole body's decoding
+    (``clients.inprocess._prepare``), whose errors every route gives."""
     from histoinfer.clients import inprocess
+    from histoinfer.models.base import ServerModel
 
     names: list[str] = []
-    real = inprocess._prepare
+    real = ServerModel.prepare_sample
 
     def watched(*args: Any, **kwargs: Any) -> Any:
         names.append(threading.current_thread().name)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(inprocess, "_prepare", watched)
-    return names, real
+    monkeypatch.setattr(ServerModel, "prepare_sample", watched)
+    return names, inprocess._prepare

@@ -276,6 +276,15 @@ async def test_a_lone_async_call_is_decoded_on_the_device_thread(
         assert len(decoded_on) == 1 and decoded_on[0] not in (device, here)  # a worker thread
         assert results[3] == client.predict_batch([make_body(3)])[0]
 
+        decoded_on.clear()  # a big image in a small body (a flat PNG) alone: a worker thread
+        buf = io.BytesIO()
+        Image.new("RGB", (1000, 1000), (200, 120, 180)).save(buf, format="PNG")
+        flat = base64.b64encode(buf.getvalue()).decode()
+        assert len(flat) < client._lone_body_limit / 10
+        got = await client.predict_async(make_body(4, size=1000, image_data=flat))
+        assert len(decoded_on) == 1 and decoded_on[0] not in (device, here)
+        assert got == client.predict_batch([make_body(4, size=1000, image_data=flat)])[0]
+
 
 def test_predict_with_embedding_is_predict_plus_embed_from_one_pass(
     client: InProcessClient, model: CountingModel

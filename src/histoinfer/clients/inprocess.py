@@ -9,11 +9,14 @@ One request's path, top to bottom:
                     -> postprocess + JSON       [caller]                  (_finish)
 
 A call that finds nothing else in flight (no other call of its loop, the device idle) skips its
-decode thread (dynamic mode: the decode stage): its body rides to the device's thread, which
-decodes it just before the pass (_forward_jobs). One thread hop instead of two, ~0.35 ms off a
-lone request, and no decoding is kept from overlapping a pass: there is none to overlap. (Not a
-body bigger than a couple of tiles: its decoding would hold up the passes of requests arriving
-meanwhile.)
+decode thread (dynamic mode: the decode stage): its body is parsed on the caller's loop and its
+image rides to the device's thread, which decodes it just before the pass (_forward_jobs). One
+thread hop instead of two, ~0.35 ms off a lone request, and no decoding is kept from overlapping
+a pass: there is none to overlap. Not an image bigger than a couple of tiles, by the body's
+length or by its declared width x height (which decoding enforces, from the image's header,
+before a pixel is decoded): a small PNG can hold a 4096 x 4096 image, and decoding and resizing
+it on the device's thread would hold up, for a tenth of a second or more, the passes of
+requests arriving meanwhile, which the decode stage would let run.
 
 The microservice runs this same client, so in-process and remote behave the same by construction.
 
@@ -129,20 +132,18 @@ def _forward(
 
 
 class _Job:
-    """One request on its way to a forward pass: decoded already, or a body that the device's
-    thread decodes before the pass (a request that was alone; see the module docstring)."""
+    """One request on its way to a forward pass: decoded already, or parsed only, its image
+    decoded by the device's thread before the pass (a request that was alone; see the module
+    docstring). ``where`` names it in a decoding error."""
 
-    __slots__ = ("body", "request", "tile")
+    __slots__ = ("request", "tile", "where")
 
     def __init__(
-        self,
-        request: ModelRequest | None = None,
-        tile: torch.Tensor | None = None,
-        body: str | bytes | None = None,
+        self, request: ModelRequest, tile: torch.Tensor | None = None, where: str | None = None
     ) -> None:
-        self.body = body
         self.request = request
         self.tile = tile
+        self.where = where
 
 
 def _forward_jobs(
@@ -152,9 +153,9 @@ def _forward_jobs(
     share: CoreShare | None = None,
     loaded: Callable[[], bool] | None = None,
 ) -> list[SampleOutput | InvalidRequestError]:
-    """The dynamic forward schedulers' batch function: decode the jobs that came as bodies
-    (a bad one is refused alone: its refusal is its result, which the scheduler raises to its
-    caller), then :func:`_forward` every tile.
+    """The dynamic forward schedulers' batch function: decode the images of the jobs that came
+    undecoded (a bad one is refused alone: its refusal is its result, which the scheduler
+    raises to its caller), then :func:`_forward` every tile.
 
     A decoded job keeps its tile: when a failing batch is bisected, nothing decodes twice.
     """
@@ -162,24 +163,31 @@ def _forward_jobs(
     tiles: list[torch.Tensor] = []
     for i, job in enumerate(jobs):
         if job.tile is None:
-            assert job.body is not None
-            decoded = _prepare_or_refusal(model, job.body, mode)
-            if isinstance(decoded, InvalidRequestError):
-                refusals[i] = decoded
+            try:
+                job.tile = model.prepare_sample(job.request, job.where)
+            except InvalidRequestError as exc:
+                refusals[i] = exc
                 continue
-            job.request, job.tile, job.body = *decoded, None
         tiles.append(job.tile)
     outputs = iter(_forward(model, tiles, mode, share, loaded) if tiles else ())
     return [refusals[i] if i in refusals else next(outputs) for i in range(len(jobs))]
+
+
+def _parse(
+    model: ServerModel, body: str | bytes, mode: Mode, position: int | None = None
+) -> tuple[ModelRequest, str]:
+    """JSON -> validated request that ``model`` can serve in ``mode``, and how errors name it."""
+    request = parse_request(body, position)
+    where = f"{locate(position).lstrip()} for {request.where()}".strip()
+    model.check_request(request, mode, where)
+    return request, where
 
 
 def _prepare(
     model: ServerModel, body: str | bytes, mode: Mode, position: int | None = None
 ) -> Prepared:
     """JSON -> validated request -> uint8 tile tensor. Thread-safe, CPU only."""
-    request = parse_request(body, position)
-    where = f"{locate(position).lstrip()} for {request.where()}".strip()
-    model.check_request(request, mode, where)
+    request, where = _parse(model, body, mode, position)
     return request, model.prepare_sample(request, where)
 
 
@@ -394,10 +402,10 @@ class InProcessClient(ClosingContext):
         # and client (SPEC §5), and one OpenMP team (models/device_thread.py).
         self._device_thread = device_thread(server_model.device)
         self._cores = CoreShare(self.prepare_threads)
-        # A lone body bigger than two raw RGB tiles in base64 takes the decode stage: a big
-        # image decoded on the device's thread would hold up the passes of requests that
-        # arrive meanwhile, which the decode stage would let run.
+        # A lone image bigger than two tiles takes the decode stage (module docstring): by
+        # the body's length (two raw RGB tiles in base64), or by the size it declares.
         self._lone_body_limit = 8 * server_model.assets.tile_size**2
+        self._lone_pixel_limit = 2 * server_model.assets.tile_size**2
         self._stats = {mode: BatchStats() for mode in MODES}
         self._loops: PerLoop[_LoopState] = PerLoop(partial(_LoopState, weakref.ref(self)))
         # Dropped without close(): end the runner tasks in their loops rather than leave them
@@ -537,9 +545,9 @@ class InProcessClient(ClosingContext):
                     wait=self._wait_for_room, timeout=self.request_timeout
                 )
                 async with reservation as slot:
-                    if self._alone(body, others=state.admitted() - 1):
-                        job = _Job(body=body)  # decoded on the device's thread
-                    else:  # a bad body is refused here (the decode stage returns refusals)
+                    # A bad body is refused here, by either (the decode stage returns refusals).
+                    job = self._lone_job(body, mode, others=state.admitted() - 1)
+                    if job is None:
                         job = _Job(*await state.decoder().submit((body, mode)))
                     try:
                         output = await slot.submit(job)
@@ -576,9 +584,8 @@ class InProcessClient(ClosingContext):
         self, state: _LoopState, body: str | bytes, mode: Mode, start_by: float | None
     ) -> tuple[_Job, SampleOutput]:
         limiter = state.prepare_limiter
-        if self._alone(body, others=limiter.borrowed_tokens):
-            job = _Job(body=body)  # decoded on the device's thread
-        else:
+        job = self._lone_job(body, mode, others=limiter.borrowed_tokens)
+        if job is None:
             with anyio.move_on_after(_remaining(start_by)) as waited:
                 [decoded] = await anyio.to_thread.run_sync(
                     _decode_chunk, self.server_model, self._cores, [(body, mode)], limiter=limiter
@@ -616,16 +623,23 @@ class InProcessClient(ClosingContext):
         self._stats[mode].record_error("deadline")
         return deadline_exceeded(f"{self._model_name}:{mode}", detail)
 
-    def _alone(self, body: object, others: int) -> bool:
-        """May this call skip its decode thread (module docstring)? Only with ``others`` (calls
-        of its loop in flight) at 0, the device's thread idle, and a body of a tile's size
-        (anything but str or bytes is refused by the decode step, as ever)."""
-        return (
+    def _lone_job(self, body: object, mode: Mode, others: int) -> _Job | None:
+        """The call's body parsed, its image left for the device's thread to decode, if this
+        call may skip its decode thread (module docstring); else ``None``. Only with ``others``
+        (calls of its loop in flight) at 0, the device's thread idle, and an image of about a
+        tile's size, by the body's length and by its declared size (anything but str or bytes
+        is refused by the decode step, as ever). A bad body raises its error."""
+        if not (
             others == 0
             and self._device_thread.idle
             and isinstance(body, (str, bytes))
             and len(body) <= self._lone_body_limit
-        )
+        ):
+            return None
+        request, where = _parse(self.server_model, body, mode)
+        if request.width * request.height > self._lone_pixel_limit:
+            return None  # parsed again by the decode stage: rare, and 0.1 ms
+        return _Job(request, where=where)
 
     def infer_batch(self, bodies: list[str], mode: Mode) -> list[str]:
         """Run pre-formed batch ``bodies`` in ``mode``, all or nothing; see ``predict_batch``."""
