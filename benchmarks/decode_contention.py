@@ -12,27 +12,19 @@ python benchmarks/decode_contention.py [--workdir DIR] [--reps N]
 
 from __future__ import annotations
 
-import argparse
 import threading
 import time
-from pathlib import Path
 
 import torch
 
-from histoinfer import build_server_model
-from histoinfer.bench.runner import default_workdir, ensure_checkpoint, load_bodies
+from histoinfer.bench.runner import tiny_script
 from histoinfer.models import shards
 from histoinfer.models.device_thread import device_thread
 from histoinfer.schema import ModelRequest
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workdir", type=Path, default=default_workdir())
-    parser.add_argument("--reps", type=int, default=3)
-    args = parser.parse_args()
-    model = build_server_model("h1", ensure_checkpoint("tiny", args.workdir, print))
-    bodies = load_bodies(256, 0, args.workdir, print)
+    args, model, bodies = tiny_script(__doc__, 256)
 
     def decode(part: list[str], out: list[float]) -> None:
         started = time.thread_time()

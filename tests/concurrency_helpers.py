@@ -256,18 +256,24 @@ def join_threads(threads: Sequence[threading.Thread], timeout: float = 60.0) -> 
 
 
 def watch_decoding(monkeypatch: Any) -> tuple[list[str], Callable[..., Any]]:
-    """Record the name of every thread that decodes an image (``ServerModel.prepare_sample``,
-    whichever route the body took); returns the list and the whole body's decoding
-    (``clients.inprocess._prepare``), whose errors every route gives."""
+    """Record the name of every thread on which the client decodes a body
+    (``clients.inprocess._prepare``, or ``_prepare_lone`` on the device's thread unless it hands
+    the body back undecoded); returns the list and the real ``_prepare``."""
     from histoinfer.clients import inprocess
-    from histoinfer.models.base import ServerModel
 
     names: list[str] = []
-    real = ServerModel.prepare_sample
+    real, real_lone = inprocess._prepare, inprocess._prepare_lone
 
     def watched(*args: Any, **kwargs: Any) -> Any:
         names.append(threading.current_thread().name)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(ServerModel, "prepare_sample", watched)
-    return names, inprocess._prepare
+    def watched_lone(*args: Any, **kwargs: Any) -> Any:
+        result = real_lone(*args, **kwargs)
+        if not isinstance(result, inprocess._TooBigHere):
+            names.append(threading.current_thread().name)
+        return result
+
+    monkeypatch.setattr(inprocess, "_prepare", watched)
+    monkeypatch.setattr(inprocess, "_prepare_lone", watched_lone)
+    return names, real

@@ -229,6 +229,7 @@ async def test_a_lone_request_is_decoded_on_the_device_thread_in_one_hop(
     Once the device is busy, a body takes the decode stage again."""
     from histoinfer.clients import inprocess
 
+    expected(tiny_model, range(5))  # computed (decoded) before the watch starts, in any order
     decoded_on, real_prepare = watch_decoding(monkeypatch)
     # The decode stage's chunks wait while `released` is clear (it is set until needed).
     released, entered = threading.Event(), threading.Event()
@@ -291,11 +292,16 @@ async def test_a_lone_request_is_decoded_on_the_device_thread_in_one_hop(
         json.loads(await client.predict_async(make_body(7, size=500, image_data=big)))
         assert len(decoded_on) == 1 and decoded_on[0] != device
 
-        decoded_on.clear()  # a big image in a small body alone (a flat PNG): the same
-        flat = _png_b64(np.full((1000, 1000, 3), 200, dtype=np.uint8))
+        decoded_on.clear()  # a big image in a small body alone (a flat PNG): handed back
+        flat = _png_b64(np.full((1000, 1000, 3), 200, dtype=np.uint8))  # by the device's thread
         assert len(flat) < client._lone_body_limit / 10
-        json.loads(await client.predict_async(make_body(8, size=1000, image_data=flat)))
+        before = client.stats()["predict"]
+        flat_body = make_body(8, size=1000, image_data=flat)
+        got = await client.predict_async(flat_body)
         assert len(decoded_on) == 1 and decoded_on[0] != device
+        after = client.stats()["predict"]  # one batch of one: the hand-back counts as nothing
+        assert (after.batches - before.batches, after.samples - before.samples) == (1, 1)
+        assert outputs_close(got, InProcessClient(tiny_model).predict_batch([flat_body])[0])
         decoded_on.clear()  # a tile of twice the size's area, alone: the device's thread
         edge = int((2 * 224**2) ** 0.5)
         tile = _png_b64(rng.integers(0, 256, (edge, edge, 3), dtype=np.uint8))
@@ -307,36 +313,34 @@ async def test_a_lone_request_is_decoded_on_the_device_thread_in_one_hop(
 def test_forward_jobs_decodes_bodies_refuses_bad_ones_alone_and_keeps_tiles(
     tiny_model: ServerModel,
 ) -> None:
-    """The batch function of a dynamic forward scheduler: jobs that came parsed only have
-    their images decoded there (a bad one refused alone, naming its request), and keep their
-    tile for a bisected re-run."""
-    from histoinfer.clients.inprocess import _forward_jobs, _Job, _parse, _prepare
+    """The batch function of a dynamic forward scheduler: jobs that came as bodies are decoded
+    there (a bad one refused alone, and one whose image declares more than two tiles' pixels
+    left undecoded), and keep their tile for a bisected re-run."""
+    from histoinfer.clients.inprocess import _forward_jobs, _Job, _prepare, _TooBigHere
 
     a, b, c = (i for i in range(9) if mode_of(i) == "predict")  # expected() is per mode
     request, tile = _prepare(tiny_model, body(b), "predict")
-    bad = make_body(7, image_data="!!! not base64 !!!")
-
-    def parsed(text: str) -> _Job:
-        request, where = _parse(tiny_model, text, "predict")
-        return _Job(request, where=where)
-
-    jobs = [parsed(body(a)), parsed(bad), _Job(request, tile), parsed(body(c))]
+    flat = _png_b64(np.full((700, 700, 3), 200, dtype=np.uint8))  # 700² > 2 x 224²
+    jobs = [
+        _Job(body=body(a)),
+        _Job(body=_BAD_BODIES[0]),
+        _Job(request, tile),
+        _Job(body=body(c)),
+        _Job(body=make_body(9, size=700, image_data=flat)),
+    ]
     results = _forward_jobs(tiny_model, jobs, "predict")
     assert isinstance(results[1], InvalidRequestError)
-    with pytest.raises(InvalidRequestError) as staged:
-        _prepare(tiny_model, bad, "predict")
-    assert str(results[1]) == str(staged.value)
+    assert isinstance(results[4], _TooBigHere) and jobs[4].tile is None
+    results = results[:4]
     answers = expected(tiny_model, [a, b, c])
     for job, result, answer in zip(
         (jobs[0], jobs[2], jobs[3]), (results[0], results[2], results[3]), answers, strict=True
     ):
-        assert job.tile is not None
+        assert job.request is not None and job.tile is not None and job.body is None
         assert not isinstance(result, InvalidRequestError)
         finished = tiny_model.postprocess(job.request, result, "predict").model_dump_json()
         assert outputs_close(finished, answer)
-    assert jobs[1].tile is None
-    kept = jobs[0].tile
-    assert _forward_jobs(tiny_model, jobs[:1], "predict") and jobs[0].tile is kept
+    assert jobs[1].tile is None and jobs[1].request is None
 
 
 async def test_a_lone_poisoned_request_names_itself(tiny_model: ServerModel) -> None:

@@ -654,3 +654,11 @@ class Reservation(Generic[T, R]):
             own = time.perf_counter() + timeout
             deadline = own if deadline is None else min(deadline, own)
         return await self._scheduler._enqueue_and_wait(item, deadline)
+
+    async def resubmit(self, item: T) -> R:
+        """Queue another item in place of the submitted one, whose batch function refused it
+        (its result an exception, e.g. "prepare it another way first"); the reservation's
+        deadline still applies. As :meth:`submit` otherwise."""
+        if not self.used:
+            raise RuntimeError("resubmit follows a submit")
+        return await self._scheduler._enqueue_and_wait(item, self._deadline)

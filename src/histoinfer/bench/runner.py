@@ -7,6 +7,7 @@ round, and what is reported is the median over rounds, with the per-round values
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -16,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..schema import MODES, Mode
 from .bodies import make_bodies
@@ -24,6 +25,9 @@ from .isolation import Isolated, Local
 from .measure import CPU_ROLES, Sample, p50_ms, percentile
 from .names import LONE_VARIANTS, PATH_NAMES
 from .overhead import OVERHEAD_VARIANTS, OverheadConfig, measure_overhead
+
+if TYPE_CHECKING:  # this process never imports torch (the children do)
+    from ..models.base import ServerModel
 
 __all__ = ["BenchConfig", "default_workdir", "run_bench"]
 
@@ -129,6 +133,19 @@ def ensure_checkpoint(size: str, workdir: Path, log: Log, dtype: str = "float32"
 
         export_reference_h1(size, out, dtype=dtype)
     return checkpoint
+
+
+def tiny_script(doc: str, bodies: int) -> tuple[argparse.Namespace, ServerModel, list[str]]:
+    """What the single-question scripts in ``benchmarks/`` share: ``--workdir`` and ``--reps``
+    options (described by ``doc``'s first line), the tiny reference model, ``bodies`` bodies."""
+    from ..models.registry import build_server_model
+
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--workdir", type=Path, default=default_workdir())
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args()
+    model = build_server_model("h1", ensure_checkpoint("tiny", args.workdir, print))
+    return args, model, load_bodies(bodies, 0, args.workdir, print)
 
 
 def load_bodies(n: int, seed: int, workdir: Path, log: Log) -> list[str]:

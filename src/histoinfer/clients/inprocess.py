@@ -9,14 +9,16 @@ One request's path, top to bottom:
                     -> postprocess + JSON       [caller]                  (_finish)
 
 A call that finds nothing else in flight (no other call of its loop, the device idle) skips its
-decode thread (dynamic mode: the decode stage): its body is parsed on the caller's loop and its
-image rides to the device's thread, which decodes it just before the pass (_forward_jobs). One
-thread hop instead of two, ~0.35 ms off a lone request, and no decoding is kept from overlapping
-a pass: there is none to overlap. Not an image bigger than a couple of tiles, by the body's
-length or by its declared width x height (which decoding enforces, from the image's header,
-before a pixel is decoded): a small PNG can hold a 4096 x 4096 image, and decoding and resizing
-it on the device's thread would hold up, for a tenth of a second or more, the passes of
-requests arriving meanwhile, which the decode stage would let run.
+decode thread (dynamic mode: the decode stage): its body rides to the device's thread, which
+decodes it just before the pass (_forward_jobs). One thread hop instead of two, ~0.35 ms off a
+lone request, and no decoding is kept from overlapping a pass: there is none to overlap. Not an
+image bigger than a couple of tiles: a body longer than two raw tiles in base64 takes the decode
+stage; one that declares a bigger width x height (a small PNG can hold a 4096 x 4096 image) is
+parsed by the device's thread, which then hands it back undecoded (_TooBigHere), and its caller
+sends it through the decode stage and queues it again. Decoding and resizing a big image on the
+device's thread would hold up, for a tenth of a second or more, the passes of requests arriving
+meanwhile, which the decode stage lets run. (Decoding enforces the declared size from the
+image's header before a pixel is decoded, so the declaration bounds the work.)
 
 The microservice runs this same client, so in-process and remote behave the same by construction.
 
@@ -132,18 +134,20 @@ def _forward(
 
 
 class _Job:
-    """One request on its way to a forward pass: decoded already, or parsed only, its image
-    decoded by the device's thread before the pass (a request that was alone; see the module
-    docstring). ``where`` names it in a decoding error."""
+    """One request on its way to a forward pass: decoded already, or a body that the device's
+    thread decodes before the pass (a request that was alone; see the module docstring)."""
 
-    __slots__ = ("request", "tile", "where")
+    __slots__ = ("body", "request", "tile")
 
     def __init__(
-        self, request: ModelRequest, tile: torch.Tensor | None = None, where: str | None = None
+        self,
+        request: ModelRequest | None = None,
+        tile: torch.Tensor | None = None,
+        body: str | bytes | None = None,
     ) -> None:
+        self.body = body
         self.request = request
         self.tile = tile
-        self.where = where
 
 
 def _forward_jobs(
@@ -152,25 +156,32 @@ def _forward_jobs(
     mode: Mode,
     share: CoreShare | None = None,
     loaded: Callable[[], bool] | None = None,
-) -> list[SampleOutput | InvalidRequestError]:
-    """The dynamic forward schedulers' batch function: decode the images of the jobs that came
-    undecoded (a bad one is refused alone: its refusal is its result, which the scheduler
-    raises to its caller), then :func:`_forward` every tile.
+) -> list[SampleOutput | InvalidRequestError | _TooBigHere]:
+    """The forward passes' batch function: decode the jobs that came as bodies (a bad one is
+    refused alone, and so is one whose image is too big to decode here: its refusal is its
+    result, which the scheduler raises to its caller), then :func:`_forward` every tile.
 
     A decoded job keeps its tile: when a failing batch is bisected, nothing decodes twice.
     """
-    refusals: dict[int, InvalidRequestError] = {}
+    refusals: dict[int, InvalidRequestError | _TooBigHere] = {}
     tiles: list[torch.Tensor] = []
     for i, job in enumerate(jobs):
         if job.tile is None:
-            try:
-                job.tile = model.prepare_sample(job.request, job.where)
-            except InvalidRequestError as exc:
-                refusals[i] = exc
+            assert job.body is not None
+            decoded = _prepare_lone(model, job.body, mode)
+            if isinstance(decoded, (InvalidRequestError, _TooBigHere)):
+                refusals[i] = decoded
                 continue
+            job.request, job.tile, job.body = *decoded, None
         tiles.append(job.tile)
     outputs = iter(_forward(model, tiles, mode, share, loaded) if tiles else ())
     return [refusals[i] if i in refusals else next(outputs) for i in range(len(jobs))]
+
+
+class _TooBigHere(Exception):
+    """A lone body's refusal by the device's thread: its image declares more pixels than two
+    tiles, too many to decode there (module docstring). Never reaches a caller: the client
+    sends the body through the decode stage and queues it again."""
 
 
 def _parse(
@@ -189,6 +200,19 @@ def _prepare(
     """JSON -> validated request -> uint8 tile tensor. Thread-safe, CPU only."""
     request, where = _parse(model, body, mode, position)
     return request, model.prepare_sample(request, where)
+
+
+def _prepare_lone(model: ServerModel, body: str | bytes, mode: Mode) -> Decoded | _TooBigHere:
+    """:func:`_prepare_or_refusal` on the device's thread, for a body that came alone: an image
+    declaring more pixels than two tiles is left undecoded (refused with :class:`_TooBigHere`).
+    """
+    try:
+        request, where = _parse(model, body, mode)
+        if request.width * request.height > 2 * model.assets.tile_size**2:
+            return _TooBigHere()
+        return request, model.prepare_sample(request, where)
+    except InvalidRequestError as exc:
+        return exc
 
 
 def _prepare_or_refusal(
@@ -402,10 +426,9 @@ class InProcessClient(ClosingContext):
         # and client (SPEC §5), and one OpenMP team (models/device_thread.py).
         self._device_thread = device_thread(server_model.device)
         self._cores = CoreShare(self.prepare_threads)
-        # A lone image bigger than two tiles takes the decode stage (module docstring): by
-        # the body's length (two raw RGB tiles in base64), or by the size it declares.
+        # A lone body bigger than two raw RGB tiles in base64 takes the decode stage (module
+        # docstring; _prepare_lone checks the size its image declares).
         self._lone_body_limit = 8 * server_model.assets.tile_size**2
-        self._lone_pixel_limit = 2 * server_model.assets.tile_size**2
         self._stats = {mode: BatchStats() for mode in MODES}
         self._loops: PerLoop[_LoopState] = PerLoop(partial(_LoopState, weakref.ref(self)))
         # Dropped without close(): end the runner tasks in their loops rather than leave them
@@ -545,12 +568,16 @@ class InProcessClient(ClosingContext):
                     wait=self._wait_for_room, timeout=self.request_timeout
                 )
                 async with reservation as slot:
-                    # A bad body is refused here, by either (the decode stage returns refusals).
-                    job = self._lone_job(body, mode, others=state.admitted() - 1)
-                    if job is None:
+                    if self._alone(body, others=state.admitted() - 1):
+                        job = _Job(body=body)  # decoded on the device's thread
+                    else:  # a bad body is refused here (the decode stage returns refusals)
                         job = _Job(*await state.decoder().submit((body, mode)))
                     try:
-                        output = await slot.submit(job)
+                        try:
+                            output = await slot.submit(job)
+                        except _TooBigHere:  # a big image: decoded as any other, then queued
+                            job = _Job(*await state.decoder().submit((body, mode)))
+                            output = await slot.resubmit(job)
                     except InferenceError:
                         raise
                     except Exception as exc:
@@ -584,17 +611,26 @@ class InProcessClient(ClosingContext):
         self, state: _LoopState, body: str | bytes, mode: Mode, start_by: float | None
     ) -> tuple[_Job, SampleOutput]:
         limiter = state.prepare_limiter
-        job = self._lone_job(body, mode, others=limiter.borrowed_tokens)
-        if job is None:
-            with anyio.move_on_after(_remaining(start_by)) as waited:
-                [decoded] = await anyio.to_thread.run_sync(
-                    _decode_chunk, self.server_model, self._cores, [(body, mode)], limiter=limiter
-                )
-            if waited.cancelled_caught:
-                raise self._deadline_exceeded(mode, "it was still waiting to be decoded")
-            if isinstance(decoded, InvalidRequestError):
-                raise decoded
-            job = _Job(*decoded)
+        if self._alone(body, others=limiter.borrowed_tokens):
+            try:  # decoded on the device's thread
+                return await self._forward_unbatched(_Job(body=body), mode, limiter, start_by)
+            except _TooBigHere:  # a big image: decoded as any other
+                pass
+        with anyio.move_on_after(_remaining(start_by)) as waited:
+            [decoded] = await anyio.to_thread.run_sync(
+                _decode_chunk, self.server_model, self._cores, [(body, mode)], limiter=limiter
+            )
+        if waited.cancelled_caught:
+            raise self._deadline_exceeded(mode, "it was still waiting to be decoded")
+        if isinstance(decoded, InvalidRequestError):
+            raise decoded
+        return await self._forward_unbatched(_Job(*decoded), mode, limiter, start_by)
+
+    async def _forward_unbatched(
+        self, job: _Job, mode: Mode, limiter: anyio.CapacityLimiter, start_by: float | None
+    ) -> tuple[_Job, SampleOutput]:
+        """``job`` alone through a forward pass on the device's thread. A lone body's refusal
+        there is raised (:class:`_TooBigHere` included), and counts as nothing."""
         started = time.perf_counter()
         # Loaded while other calls are being decoded: then the pass leaves them their cores,
         # as a dynamic client's does (clients/cores.py).
@@ -613,7 +649,7 @@ class InProcessClient(ClosingContext):
                 raise self._deadline_exceeded(mode, "the device was busy with other work") from None
             self._stats[mode].record_error(type(exc).__name__)
             raise _execution_error(job.request, exc) from exc
-        if isinstance(result, InvalidRequestError):
+        if isinstance(result, (InvalidRequestError, _TooBigHere)):
             raise result  # a lone body refused: nothing ran
         self._stats[mode].record_batch(1, [0.0], time.perf_counter() - started)
         return job, result
@@ -623,23 +659,17 @@ class InProcessClient(ClosingContext):
         self._stats[mode].record_error("deadline")
         return deadline_exceeded(f"{self._model_name}:{mode}", detail)
 
-    def _lone_job(self, body: object, mode: Mode, others: int) -> _Job | None:
-        """The call's body parsed, its image left for the device's thread to decode, if this
-        call may skip its decode thread (module docstring); else ``None``. Only with ``others``
-        (calls of its loop in flight) at 0, the device's thread idle, and an image of about a
-        tile's size, by the body's length and by its declared size (anything but str or bytes
-        is refused by the decode step, as ever). A bad body raises its error."""
-        if not (
+    def _alone(self, body: object, others: int) -> bool:
+        """May this call skip its decode thread (module docstring)? Only with ``others`` (calls
+        of its loop in flight) at 0, the device's thread idle, and a body of a tile's size
+        (anything but str or bytes is refused by the decode step, as ever). The device's
+        thread may still hand it back (:class:`_TooBigHere`)."""
+        return (
             others == 0
             and self._device_thread.idle
             and isinstance(body, (str, bytes))
             and len(body) <= self._lone_body_limit
-        ):
-            return None
-        request, where = _parse(self.server_model, body, mode)
-        if request.width * request.height > self._lone_pixel_limit:
-            return None  # parsed again by the decode stage: rare, and 0.1 ms
-        return _Job(request, where=where)
+        )
 
     def infer_batch(self, bodies: list[str], mode: Mode) -> list[str]:
         """Run pre-formed batch ``bodies`` in ``mode``, all or nothing; see ``predict_batch``."""
