@@ -257,8 +257,9 @@ def join_threads(threads: Sequence[threading.Thread], timeout: float = 60.0) -> 
 
 def watch_decoding(monkeypatch: Any) -> tuple[list[str], Callable[..., Any]]:
     """Record the name of every thread on which the client decodes a body
-    (``clients.inprocess._prepare``, or ``_prepare_lone`` on the device's thread unless it hands
-    the body back undecoded); returns the list and the real ``_prepare``."""
+    (``clients.inprocess._prepare``, or ``_prepare_lone`` on the device's thread, recorded as
+    ``"<thread>:handed-back"`` when it hands the body back undecoded); returns the list and the
+    real ``_prepare``."""
     from histoinfer.clients import inprocess
 
     names: list[str] = []
@@ -270,8 +271,8 @@ def watch_decoding(monkeypatch: Any) -> tuple[list[str], Callable[..., Any]]:
 
     def watched_lone(*args: Any, **kwargs: Any) -> Any:
         result = real_lone(*args, **kwargs)
-        if not isinstance(result, inprocess._TooBigHere):
-            names.append(threading.current_thread().name)
+        handed_back = isinstance(result, inprocess._TooBigHere)
+        names.append(threading.current_thread().name + (":handed-back" if handed_back else ""))
         return result
 
     monkeypatch.setattr(inprocess, "_prepare", watched)

@@ -9,6 +9,7 @@ import base64
 import gc
 import io
 import json
+import math
 import random
 import threading
 import time
@@ -292,20 +293,39 @@ async def test_a_lone_request_is_decoded_on_the_device_thread_in_one_hop(
         json.loads(await client.predict_async(make_body(7, size=500, image_data=big)))
         assert len(decoded_on) == 1 and decoded_on[0] != device
 
-        decoded_on.clear()  # a big image in a small body alone (a flat PNG): handed back
-        flat = _png_b64(np.full((1000, 1000, 3), 200, dtype=np.uint8))  # by the device's thread
+        decoded_on.clear()  # a big image in a small body alone (a flat PNG): handed back by
+        flat = _png_b64(np.full((1000, 1000, 3), 200, dtype=np.uint8))  # the device's thread
         assert len(flat) < client._lone_body_limit / 10
         before = client.stats()["predict"]
         flat_body = make_body(8, size=1000, image_data=flat)
         got = await client.predict_async(flat_body)
-        assert len(decoded_on) == 1 and decoded_on[0] != device
+        assert decoded_on[0] == f"{device}:handed-back"
+        assert len(decoded_on) == 2 and not decoded_on[1].startswith(device)
         after = client.stats()["predict"]  # one batch of one: the hand-back counts as nothing
         assert (after.batches - before.batches, after.samples - before.samples) == (1, 1)
-        assert outputs_close(got, InProcessClient(tiny_model).predict_batch([flat_body])[0])
-        decoded_on.clear()  # a tile of twice the size's area, alone: the device's thread
-        edge = int((2 * 224**2) ** 0.5)
-        tile = _png_b64(rng.integers(0, 256, (edge, edge, 3), dtype=np.uint8))
-        json.loads(await client.predict_async(make_body(9, size=edge, image_data=tile)))
+        assert _settled(client)
+        assert outputs_close(got, client.predict_batch([flat_body])[0])
+
+        # Cancelled while its image waits for the decode stage after the hand-back: it was on
+        # its way again (the runner waits for such a caller), and leaves nothing counted.
+        decoded_on.clear()
+        released.clear()
+        entered.clear()
+        scheduler = client._loops.get().schedulers["predict"]
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(client.predict_async, flat_body)
+            await wait_until(entered.is_set)
+            assert (scheduler.preparing, scheduler.admitted) == (1, 1)
+            tg.cancel_scope.cancel()
+        released.set()
+        assert (scheduler.preparing, scheduler.admitted) == (0, 0) and _settled(client)
+        await wait_until(lambda: len(decoded_on) == 2)  # the abandoned decode, finished
+        assert decoded_on[0] == f"{device}:handed-back"
+
+        decoded_on.clear()  # an image of twice a tile's area, alone: the device's thread
+        edge = math.isqrt(2 * tiny_model.assets.tile_size**2)
+        square = _png_b64(np.full((edge, edge, 3), 120, dtype=np.uint8))
+        json.loads(await client.predict_async(make_body(9, size=edge, image_data=square)))
         assert decoded_on == [device]
     assert client.stats()["predict"].errors == 0
 

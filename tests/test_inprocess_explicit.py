@@ -276,13 +276,17 @@ async def test_a_lone_async_call_is_decoded_on_the_device_thread(
         assert len(decoded_on) == 1 and decoded_on[0] not in (device, here)  # a worker thread
         assert results[3] == client.predict_batch([make_body(3)])[0]
 
-        decoded_on.clear()  # a big image in a small body (a flat PNG) alone: a worker thread
+        decoded_on.clear()  # a big image in a small body (a flat PNG) alone: handed back
         buf = io.BytesIO()
         Image.new("RGB", (1000, 1000), (200, 120, 180)).save(buf, format="PNG")
         flat = base64.b64encode(buf.getvalue()).decode()
         assert len(flat) < client._lone_body_limit / 10
+        before = client.stats()["predict"]
         got = await client.predict_async(make_body(4, size=1000, image_data=flat))
-        assert len(decoded_on) == 1 and decoded_on[0] not in (device, here)
+        assert decoded_on[0] == f"{device}:handed-back"  # parsed there, not decoded
+        assert len(decoded_on) == 2 and decoded_on[1] not in (device, here)
+        after = client.stats()["predict"]  # one batch of one: the hand-back counts as nothing
+        assert (after.batches - before.batches, after.samples - before.samples) == (1, 1)
         assert got == client.predict_batch([make_body(4, size=1000, image_data=flat)])[0]
 
 

@@ -275,6 +275,55 @@ async def test_an_exception_returned_as_a_result_is_raised_to_its_caller_alone()
     assert snap.batches == 1 and snap.samples == 3 and snap.errors == 0
 
 
+async def test_a_reservation_reopens_after_a_refusal_and_submits_again() -> None:
+    """A caller whose item was refused (prepare it otherwise first) takes its place again: it
+    counts as on its way meanwhile, its second item runs, and nothing is left counted."""
+
+    def refuses_odd(items: list[int]) -> list[int | BaseException]:
+        return [ValueError(f"odd {i}") if i % 2 else 10 * i for i in items]
+
+    sched = BatchScheduler(refuses_odd, max_batch_size=8, max_wait_ms=10_000)
+    with anyio.fail_after(5):  # the window is 10 s: a runner waiting it out fails this test
+        async with sched.reserve() as slot:
+            with pytest.raises(RuntimeError, match="reopen follows a refused submit"):
+                slot.reopen()  # nothing submitted yet
+            with pytest.raises(ValueError, match="odd 3"):
+                await slot.submit(3)
+            assert slot.refused and sched.preparing == 0
+            slot.reopen()
+            assert sched.preparing == 1 and sched.admitted == 1  # on its way again
+            with pytest.raises(RuntimeError, match="reopen follows a refused submit"):
+                slot.reopen()
+            assert await slot.submit(4) == 40
+            with pytest.raises(RuntimeError, match="reopen follows a refused submit"):
+                slot.reopen()  # after a result
+        assert (sched.preparing, sched.admitted, sched.queue_depth) == (0, 0, 0)
+        with pytest.raises(RuntimeError, match="inside its reserve"):
+            await slot.submit(6)  # the block is over
+        async with sched.reserve() as slot:  # reopened, then left without a second item
+            with pytest.raises(ValueError):
+                await slot.submit(5)
+            slot.reopen()
+        assert (sched.preparing, sched.admitted, sched.queue_depth) == (0, 0, 0)
+        assert await sched.submit(8) == 80  # the runner was not left waiting for anyone
+    snap = sched.stats.snapshot()
+    assert snap.batches == 2 and snap.samples == 2 and snap.errors == 0
+
+
+async def test_a_failed_item_does_not_reopen_its_reservation() -> None:
+    def fails(items: list[int]) -> list[int]:
+        raise RuntimeError("the device fell over")
+
+    sched = BatchScheduler(fails, max_batch_size=8, max_wait_ms=0)
+    with anyio.fail_after(5):
+        async with sched.reserve() as slot:
+            with pytest.raises(RuntimeError, match="fell over"):
+                await slot.submit(1)
+            assert not slot.refused
+            with pytest.raises(RuntimeError, match="reopen follows a refused submit"):
+                slot.reopen()
+
+
 async def test_a_wrong_result_count_fails_only_its_own_item() -> None:
     def drops_five(items: list[int]) -> list[int]:
         return [10 * i for i in items if i != 5]

@@ -267,6 +267,7 @@ class BatchScheduler(Generic[T, R]):
         try:
             yield reservation
         finally:
+            reservation.ended = True
             if not reservation.used:
                 self._incoming -= 1
                 if self._incoming == 0:
@@ -329,7 +330,9 @@ class BatchScheduler(Generic[T, R]):
         self._admitted -= 1
         self._admission.release()
 
-    async def _enqueue_and_wait(self, item: T, deadline: float | None) -> R:
+    async def _enqueue_and_wait(
+        self, item: T, deadline: float | None, reservation: Reservation[T, R] | None = None
+    ) -> R:
         now = time.perf_counter()
         if deadline is not None and deadline <= now:
             if self._incoming == 0:  # a reservation ends here, without an item: wake the runner
@@ -363,6 +366,8 @@ class BatchScheduler(Generic[T, R]):
                 self._count(self.stats.record_cancelled)
             raise
         if pending.error is not None:
+            if reservation is not None:
+                reservation.refused = pending.refused
             raise pending.error
         return pending.result  # type: ignore[return-value]
 
@@ -635,30 +640,35 @@ class BatchScheduler(Generic[T, R]):
 class Reservation(Generic[T, R]):
     """A place in a scheduler, taken by :meth:`BatchScheduler.reserve` before the item exists."""
 
-    __slots__ = ("_deadline", "_scheduler", "used")
+    __slots__ = ("_deadline", "_scheduler", "ended", "refused", "used")
 
     def __init__(self, scheduler: BatchScheduler[T, R], deadline: float | None = None) -> None:
         self._scheduler = scheduler
         self._deadline = deadline
         self.used = False
+        #: the batch function returned an exception for the submitted item (see :meth:`reopen`)
+        self.refused = False
+        #: the ``reserve()`` block is over
+        self.ended = False
 
     async def submit(self, item: T, *, timeout: float | None = None) -> R:
         """Queue the item; the reservation's deadline applies, or ``timeout`` from now if
         that is sooner."""
-        if self.used:
-            raise RuntimeError("a reservation submits one item")
+        if self.used or self.ended:
+            raise RuntimeError("a reservation submits one item, inside its reserve() block")
         self.used = True
         self._scheduler._incoming -= 1
-        deadline = self._deadline
         if timeout is not None:
             own = time.perf_counter() + timeout
-            deadline = own if deadline is None else min(deadline, own)
-        return await self._scheduler._enqueue_and_wait(item, deadline)
+            self._deadline = own if self._deadline is None else min(self._deadline, own)
+        return await self._scheduler._enqueue_and_wait(item, self._deadline, self)
 
-    async def resubmit(self, item: T) -> R:
-        """Queue another item in place of the submitted one, whose batch function refused it
-        (its result an exception, e.g. "prepare it another way first"); the reservation's
-        deadline still applies. As :meth:`submit` otherwise."""
-        if not self.used:
-            raise RuntimeError("resubmit follows a submit")
-        return await self._scheduler._enqueue_and_wait(item, self._deadline)
+    def reopen(self) -> None:
+        """Take the place again after the batch function refused the submitted item (its result
+        an exception, e.g. "prepare it another way first"): the caller is on its way again, as
+        before its first :meth:`submit` (the runner waits for it within ``max_wait_ms``), and
+        submits one more item. The deadline stays."""
+        if not (self.used and self.refused) or self.ended:
+            raise RuntimeError("reopen follows a refused submit, inside the reserve() block")
+        self.used = self.refused = False
+        self._scheduler._incoming += 1

@@ -51,7 +51,14 @@ import anyio.to_thread
 import torch
 from anyio._core._eventloop import threadlocals as _anyio_threadlocals
 
-from ..batching import BatchScheduler, BatchStats, PerLoop, StatsSnapshot, wait_future
+from ..batching import (
+    BatchScheduler,
+    BatchStats,
+    PerLoop,
+    Reservation,
+    StatsSnapshot,
+    wait_future,
+)
 from ..batching.admission import Admission, deadline_exceeded, deadline_from
 from ..errors import (
     ClientClosedError,
@@ -176,6 +183,16 @@ def _forward_jobs(
         tiles.append(job.tile)
     outputs = iter(_forward(model, tiles, mode, share, loaded) if tiles else ())
     return [refusals[i] if i in refusals else next(outputs) for i in range(len(jobs))]
+
+
+async def _forwarded(slot: Reservation[_Job, SampleOutput], job: _Job) -> SampleOutput:
+    """``job``'s output from its loop's forward scheduler; a failed pass names the request."""
+    try:
+        return await slot.submit(job)
+    except (InferenceError, _TooBigHere):
+        raise
+    except Exception as exc:
+        raise _execution_error(job.request, exc) from exc
 
 
 class _TooBigHere(Exception):
@@ -568,20 +585,16 @@ class InProcessClient(ClosingContext):
                     wait=self._wait_for_room, timeout=self.request_timeout
                 )
                 async with reservation as slot:
+                    output: SampleOutput | None = None
                     if self._alone(body, others=state.admitted() - 1):
                         job = _Job(body=body)  # decoded on the device's thread
-                    else:  # a bad body is refused here (the decode stage returns refusals)
-                        job = _Job(*await state.decoder().submit((body, mode)))
-                    try:
                         try:
-                            output = await slot.submit(job)
-                        except _TooBigHere:  # a big image: decoded as any other, then queued
-                            job = _Job(*await state.decoder().submit((body, mode)))
-                            output = await slot.resubmit(job)
-                    except InferenceError:
-                        raise
-                    except Exception as exc:
-                        raise _execution_error(job.request, exc) from exc
+                            output = await _forwarded(slot, job)
+                        except _TooBigHere:  # too big an image to decode there: as any other
+                            slot.reopen()
+                    if output is None:  # a bad body is refused here (the decode stage returns it)
+                        job = _Job(*await state.decoder().submit((body, mode)))
+                        output = await _forwarded(slot, job)
             else:
                 job, output = await self._infer_unbatched(state, body, mode)
             assert job.request is not None
