@@ -437,6 +437,49 @@ async def test_a_request_not_dispatched_in_time_gets_a_deadline_error(
     assert outputs_close(results[0], expected(tiny_model, [0])[0])  # dispatched: it completes
 
 
+async def test_a_body_whose_deadline_passes_while_it_waits_for_the_decode_stage_is_not_decoded(
+    monkeypatch: pytest.MonkeyPatch, tiny_model: ServerModel
+) -> None:
+    """Under overload, decoding a body that can no longer reach the model in time would take
+    CPU from the calls that still can: it is refused with the call's own deadline error."""
+    from histoinfer.clients import inprocess
+
+    released, entered = threading.Event(), threading.Event()
+    chunks: list[int] = []  # the patch_idx of every body a decode chunk got
+    real_chunk = inprocess._decode_chunk
+
+    def gated_chunk(model: ServerModel, share: Any, jobs: list[Any]) -> list[Any]:
+        chunks.extend(json.loads(job_body)["patch_idx"] for job_body, _ in jobs)
+        entered.set()
+        released.wait(30)
+        return real_chunk(model, share, jobs)
+
+    monkeypatch.setattr(inprocess, "_decode_chunk", gated_chunk)
+    results: dict[int, Any] = {}
+    client = InProcessClient(tiny_model, prepare_threads=1, request_timeout=0.2)
+    device_busy = threading.Event()
+    try:
+        with anyio.fail_after(30):
+            client._device_thread.submit(device_busy.wait, 30)  # nobody is alone
+            async with anyio.create_task_group() as tg:
+                start_calls(tg, client, [0], results)
+                await wait_until(entered.is_set)  # 0 is being decoded; 3 waits for its turn
+                start_calls(tg, client, [3], results)
+                await anyio.sleep(0.3)  # past both deadlines
+                released.set()
+                device_busy.set()
+    finally:
+        released.set()
+        device_busy.set()
+        client.close()
+    assert chunks == [request_dict(0)["patch_idx"]]  # 3 was never decoded
+    for i, detail in ((0, "expired before the request was queued"), (3, "waiting to be decoded")):
+        assert isinstance(results[i], DeadlineExceededError), results[i]
+        assert detail in str(results[i]) and str(results[i]).startswith("h1:")
+    snap = client.stats()[mode_of(3)]
+    assert snap.error_kinds == {"deadline": 2} and snap.samples == 0
+
+
 async def test_overload_reject_mode_answers_overloaded_instead_of_waiting(
     tiny_model: ServerModel, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -187,9 +187,13 @@ async def test_a_reservation_expiring_before_submit_releases_the_waiting_batch()
     results: dict[int, Any] = {}
     with anyio.fail_after(5):  # the window is 10 s: waiting it out fails this test
         async with anyio.create_task_group() as tg, sched.reserve(timeout=0.05) as slot:
+            remaining = slot.remaining()
+            assert remaining is not None and 0 < remaining <= 0.05
             spawn_submit(tg, sched.submit, 1, results)
             await wait_until(lambda: sched.queue_depth == 1)
             await anyio.sleep(0.1)  # preparation outlives the deadline
+            remaining = slot.remaining()
+            assert remaining is not None and remaining < 0
             with pytest.raises(DeadlineExceededError):
                 await slot.submit(2)
             await wait_until(lambda: 1 in results)
@@ -285,6 +289,7 @@ async def test_a_reservation_reopens_after_a_refusal_and_submits_again() -> None
     sched = BatchScheduler(refuses_odd, max_batch_size=8, max_wait_ms=10_000)
     with anyio.fail_after(5):  # the window is 10 s: a runner waiting it out fails this test
         async with sched.reserve() as slot:
+            assert slot.remaining() is None  # no deadline
             with pytest.raises(RuntimeError, match="reopen follows a refused submit"):
                 slot.reopen()  # nothing submitted yet
             with pytest.raises(ValueError, match="odd 3"):

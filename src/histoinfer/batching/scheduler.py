@@ -663,6 +663,12 @@ class Reservation(Generic[T, R]):
             self._deadline = own if self._deadline is None else min(self._deadline, own)
         return await self._scheduler._enqueue_and_wait(item, self._deadline, self)
 
+    def remaining(self) -> float | None:
+        """Seconds left before the reservation's deadline (negative once past; ``None``: none).
+        For the caller's own waits while it prepares the item, e.g. a decode that should not
+        start once the item could no longer be dispatched in time."""
+        return None if self._deadline is None else self._deadline - time.perf_counter()
+
     def reopen(self) -> None:
         """Take the place again after the batch function refused the submitted item (its result
         an exception, e.g. "prepare it another way first"): the caller is on its way again, as

@@ -593,7 +593,7 @@ class InProcessClient(ClosingContext):
                         except _TooBigHere:  # too big an image to decode there: as any other
                             slot.reopen()
                     if output is None:  # a bad body is refused here (the decode stage returns it)
-                        job = _Job(*await state.decoder().submit((body, mode)))
+                        job = _Job(*await self._decoded(state, body, mode, slot))
                         output = await _forwarded(slot, job)
             else:
                 job, output = await self._infer_unbatched(state, body, mode)
@@ -603,6 +603,21 @@ class InProcessClient(ClosingContext):
             except ModelExecutionError as exc:  # NaN or infinity: counted as a batch's are
                 self._stats[mode].record_error(type(exc).__name__)
                 raise
+
+    async def _decoded(
+        self,
+        state: _LoopState,
+        body: str | bytes,
+        mode: Mode,
+        slot: Reservation[_Job, SampleOutput],
+    ) -> Prepared:
+        """``body`` through the decode stage. Not started once the call's deadline is past: its
+        tile could no longer reach the model in time, and under overload, when deadlines pass,
+        the decoders' CPU is what every other call is waiting for."""
+        try:
+            return await state.decoder().submit((body, mode), timeout=slot.remaining())
+        except DeadlineExceededError:
+            raise self._deadline_exceeded(mode, "it was still waiting to be decoded") from None
 
     async def _infer_unbatched(
         self, state: _LoopState, body: str | bytes, mode: Mode
