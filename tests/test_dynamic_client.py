@@ -480,6 +480,43 @@ async def test_a_body_whose_deadline_passes_while_it_waits_for_the_decode_stage_
     assert snap.error_kinds == {"deadline": 2} and snap.samples == 0
 
 
+async def test_a_body_goes_to_an_idle_decode_thread_not_behind_a_busy_one(
+    monkeypatch: pytest.MonkeyPatch, tiny_model: ServerModel
+) -> None:
+    """Two decode threads, one decoding: the next body goes to the other at once."""
+    from histoinfer.clients import inprocess
+
+    released = threading.Event()
+    decoding: list[int] = []  # the thread of every chunk that started
+    real_chunk = inprocess._decode_chunk
+
+    def gated_chunk(model: ServerModel, share: Any, jobs: list[Any]) -> list[Any]:
+        decoding.append(threading.get_ident())
+        released.wait(30)
+        return real_chunk(model, share, jobs)
+
+    monkeypatch.setattr(inprocess, "_decode_chunk", gated_chunk)
+    results: dict[int, Any] = {}
+    device_busy = threading.Event()
+    with InProcessClient(tiny_model, prepare_threads=2) as client:
+        try:
+            with anyio.fail_after(30):
+                client._device_thread.submit(device_busy.wait, 30)  # nobody is alone
+                async with anyio.create_task_group() as tg:
+                    start_calls(tg, client, [0], results)
+                    await wait_until(lambda: len(decoding) == 1)
+                    start_calls(tg, client, [3], results)
+                    await wait_until(lambda: len(decoding) == 2)  # both decoding at once
+                    released.set()
+                    device_busy.set()
+        finally:
+            released.set()
+            device_busy.set()
+    assert decoding[0] != decoding[1]
+    for i, answer in zip((0, 3), expected(tiny_model, [0, 3]), strict=True):
+        assert outputs_close(results[i], answer)
+
+
 async def test_overload_reject_mode_answers_overloaded_instead_of_waiting(
     tiny_model: ServerModel, caplog: pytest.LogCaptureFixture
 ) -> None:

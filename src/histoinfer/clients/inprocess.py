@@ -313,8 +313,10 @@ class _LoopState:
         return sum(scheduler.admitted for scheduler in self.schedulers.values())
 
     def decoder(self) -> BatchScheduler[tuple[str | bytes, Mode], Prepared]:
-        """The decode scheduler with the shortest queue."""
-        return min(self.decoders, key=lambda decoder: decoder.queue_depth)
+        """The decode scheduler with the fewest bodies queued or being decoded: by queue
+        alone, one decoding a chunk looks as free as an idle one, and at low load a body
+        would wait behind that chunk while the other thread idles."""
+        return min(self.decoders, key=lambda decoder: decoder.admitted)
 
     def admission(self, mode: Mode) -> Admission:
         """What admits this loop's batch-size-1 calls in ``mode``: ``max_queue`` of them at
