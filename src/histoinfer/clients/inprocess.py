@@ -96,6 +96,11 @@ Decoded = Prepared | InvalidRequestError
 # on its own.
 DECODE_CHUNK = 8
 
+# A lone request's image is decoded on the device's thread only if it is about a tile's size:
+# at most this many tiles, by its body's length (raw RGB in base64: 4 characters a pixel) and by
+# the width x height it declares (module docstring).
+_LONE_TILES = 2
+
 
 def _forward(
     model: ServerModel,
@@ -225,7 +230,7 @@ def _prepare_lone(model: ServerModel, body: str | bytes, mode: Mode) -> Decoded 
     """
     try:
         request, where = _parse(model, body, mode)
-        if request.width * request.height > 2 * model.assets.tile_size**2:
+        if request.width * request.height > _LONE_TILES * model.assets.tile_size**2:
             return _TooBigHere()
         return request, model.prepare_sample(request, where)
     except InvalidRequestError as exc:
@@ -445,9 +450,8 @@ class InProcessClient(ClosingContext):
         # and client (SPEC §5), and one OpenMP team (models/device_thread.py).
         self._device_thread = device_thread(server_model.device)
         self._cores = CoreShare(self.prepare_threads)
-        # A lone body bigger than two raw RGB tiles in base64 takes the decode stage (module
-        # docstring; _prepare_lone checks the size its image declares).
-        self._lone_body_limit = 8 * server_model.assets.tile_size**2
+        # A longer lone body takes the decode stage (_prepare_lone checks the declared size).
+        self._lone_body_limit = 4 * _LONE_TILES * server_model.assets.tile_size**2
         self._stats = {mode: BatchStats() for mode in MODES}
         self._loops: PerLoop[_LoopState] = PerLoop(partial(_LoopState, weakref.ref(self)))
         # Dropped without close(): end the runner tasks in their loops rather than leave them
