@@ -15,9 +15,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    SerializerFunctionWrapHandler,
     ValidationError,
-    model_serializer,
 )
 
 from .errors import InvalidRequestError
@@ -90,15 +88,11 @@ class ModelResponse(BaseModel):
     tissue_ratio: float | None = None
     patch_idx: int
     resolution: float | None = None
-    embedding: list[float] | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_absent_embedding(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # SPEC §3.2: `embedding` is absent (not null) unless the mode is predict_with_embedding.
-        data: dict[str, Any] = handler(self)
-        if data.get("embedding", 0) is None:
-            del data["embedding"]
-        return data
+    # SPEC §3.2: absent (not null) unless the mode is predict_with_embedding. A field-level
+    # rule, not a model serializer: a wrapping serializer makes pydantic build each response as
+    # a Python dict first, which doubled the cost of writing one (~38 µs against ~18, on the
+    # event loop, for every request).
+    embedding: list[float] | None = Field(default=None, exclude_if=lambda value: value is None)
 
 
 class BatchingSettings(BaseModel):
