@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import ssl
 import subprocess
 import sys
 import threading
@@ -481,7 +482,7 @@ async def run_concurrently(call: Any, n: int) -> None:
 @pytest.mark.parametrize("max_in_flight", [1, 8, 24])
 async def test_max_in_flight_bounds_the_requests_on_the_wire(counting_server, max_in_flight):
     """200 concurrent calls, real sockets: the server never sees more than the bound at once
-    (24 spans two connection shards of 12), and sees the bound reached."""
+    (24 spans six connection shards of 4), and sees the bound reached."""
     server, app = counting_server
     app.peak = 0
     async with HttpClient(server.base_url, max_in_flight=max_in_flight) as client:
@@ -533,16 +534,48 @@ def test_max_in_flight_is_checked():
 
 
 def test_connections_are_split_into_shards_no_larger_than_the_bound():
-    assert http_module._shard_sizes(64) == [16] * 4
-    assert http_module._shard_sizes(24) == [12, 12]
-    assert http_module._shard_sizes(100) == [15, 15] + [14] * 5
+    assert http_module._shard_sizes(64) == [4] * 16
+    assert http_module._shard_sizes(10) == [4, 3, 3]
     assert http_module._shard_sizes(1) == [1]
     sizes = [
         o["limits"].max_connections for o in HttpClient("http://h", max_in_flight=8)._shard_options
     ]
-    assert sizes == [8]
+    assert sizes == [4, 4]
     with HttpClient("http://h", transport=httpx.MockTransport(lambda r: httpx.Response(200))) as c:
         assert len(c._shard_options) == 1  # the caller's transport: one client, not shards
+
+
+def _contexts(client: HttpClient) -> list[object]:
+    """The TLS context each httpx client of ``client`` would be built with."""
+    sync, shards = client._options_with_tls()
+    return [sync.get("verify"), *(options.get("verify") for options in shards)]
+
+
+def test_every_httpx_client_shares_one_tls_context():
+    """Building a TLS context loads the CA bundle (~50 ms); a loop's pool makes several httpx
+    clients, so they share one, built once and honouring ``verify``."""
+    contexts = _contexts(HttpClient("http://h"))
+    assert len(contexts) == 17 and isinstance(contexts[0], ssl.SSLContext)
+    assert all(context is contexts[0] for context in contexts)
+    assert contexts[0].verify_mode == ssl.CERT_REQUIRED
+    unverified = _contexts(HttpClient("http://h", verify=False))[0]
+    assert isinstance(unverified, ssl.SSLContext) and unverified.verify_mode == ssl.CERT_NONE
+    own = ssl.create_default_context()
+    assert all(context is own for context in _contexts(HttpClient("http://h", verify=own)))
+    # Options that shape the context per client: left to httpx, as given.
+    assert all(c is None for c in _contexts(HttpClient("http://h", http2=False)))
+
+
+@pytest.mark.anyio
+async def test_shards_built_on_first_use_share_the_tls_context(counting_server):
+    server, _ = counting_server
+    async with HttpClient(server.base_url, max_in_flight=12) as client:
+        await run_concurrently(client.predict_async, 48)
+        pool = next(iter(client._pools.values()))
+        made = [c for c in pool._clients if c is not None]
+        assert len(made) >= 2  # 12 in flight need three shards of 4
+        transports = [c._transport._pool._ssl_context for c in made]  # type: ignore[attr-defined]
+        assert all(context is transports[0] for context in transports)
 
 
 class Gate:

@@ -16,7 +16,9 @@ At most ``max_in_flight`` requests are on the wire at once: per event loop for a
 ``threading.BoundedSemaphore``). httpcore scans every connection of its pool each time a
 request starts or ends, so a pool of hundreds of busy connections costs the client more CPU than
 the requests themselves; for the same reason each loop's connections are split over several
-``httpx.AsyncClient`` of at most 16 (see :class:`_LoopPool` and ``docs/server.md``).
+``httpx.AsyncClient`` of at most 4 (see :class:`_LoopPool` and ``docs/server.md``). Every
+httpx client of one ``HttpClient`` shares one TLS context: building one costs ~50 ms (it loads
+the CA bundle), and a pool makes several per event loop.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import email.utils
 import json
 import logging
 import random
+import ssl
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -161,6 +164,7 @@ class HttpClient(ClosingContext):
         self._lock = threading.Lock()
         self._sync: httpx.Client | None = None
         self._pools: dict[object, _LoopPool] = {}
+        self._tls_shared = _SHARED_TLS_UNLESS.isdisjoint(httpx_options)
 
     # -- Client protocol: sync ---------------------------------------------------------------
 
@@ -333,7 +337,7 @@ class HttpClient(ClosingContext):
             if self._released:
                 raise ClientClosedError("the client is closed")
             if self._sync is None:
-                self._sync = httpx.Client(**self._options)
+                self._sync = httpx.Client(**self._options_with_tls()[0])
             return self._sync
 
     def _loop_pool(self) -> _LoopPool:
@@ -348,7 +352,7 @@ class HttpClient(ClosingContext):
             for stale in [k for k, p in self._pools.items() if p.finished()]:
                 del self._pools[stale]
             pool = self._pools[key] = _LoopPool(
-                self._shard_options,
+                self._options_with_tls()[1],
                 self.max_in_flight,
                 key,
                 self._pools,
@@ -356,6 +360,20 @@ class HttpClient(ClosingContext):
             )
         pool.start_keeper()
         return pool
+
+    def _options_with_tls(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """The sync client's and the shards' options, all with one TLS context, built on first
+        use (under ``self._lock``): httpx would build one per client."""
+        if self._tls_shared:
+            verify = self._options.get("verify", True)
+            if not isinstance(verify, ssl.SSLContext):
+                trust_env = self._options.get("trust_env", True)
+                context = httpx.create_ssl_context(verify=verify, trust_env=trust_env)
+                self._options["verify"] = context
+                for options in self._shard_options:
+                    options["verify"] = context
+            self._tls_shared = False  # done
+        return self._options, self._shard_options
 
     def _shut(self) -> tuple[httpx.Client | None, list[_LoopPool]]:
         with self._lock:
@@ -367,8 +385,11 @@ class HttpClient(ClosingContext):
 
 
 #: The most connections in one ``httpx.AsyncClient``: httpcore's scans grow with the square of
-#: this, and 4 clients of 16 cost the client a quarter of the CPU per request of one of 64.
-_SHARD_CONNECTIONS = 16
+#: this. 4 clients of 16 cost the client a quarter of the CPU a request of one of 64; 16 of 4
+#: cost 0.61 of 4 of 16 (docs/benchmarks-history.md, "Session 13").
+_SHARD_CONNECTIONS = 4
+#: ``httpx_options`` that shape the TLS context in ways one shared context would not keep.
+_SHARED_TLS_UNLESS = frozenset({"cert", "http2", "transport", "mounts"})
 #: ``httpx_options`` with which the caller fixes the transport or the limits: no sharding.
 _SHARDS_FIXED_BY = frozenset({"transport", "mounts", "limits"})
 
@@ -589,10 +610,11 @@ class _LoopPool:
     one per loop). The loop's connections are split over several clients ("shards") of at most
     ``_SHARD_CONNECTIONS``: httpcore scans every connection of a pool, several times, each time
     a request starts or ends, which over 64 connections costs ~8 ms of CPU per request on
-    asyncio, and over 4 pools of 16 ~2 ms. A request takes the first shard with a free
-    connection, so a lightly used loop makes and keeps one client. Clients are made on first
-    use (each costs tens of ms: its SSL context), and a call through a caller's ``session``
-    needs only the slots. Slots and shards are touched only on this loop's thread.
+    asyncio, over 4 pools of 16 ~2.6 ms, over 16 of 4 ~1.6. A request takes the first shard
+    with a free connection, so a lightly used loop makes and keeps one client. Clients are made
+    on first use (cheap: they share the HttpClient's TLS context), and a call through a
+    caller's ``session`` needs only the slots. Slots and shards are touched only on this loop's
+    thread.
 
     The keeper sleeps until the loop ends (its tasks are cancelled) or the HttpClient closes
     (it is cancelled from any thread, through the loop's thread-safe callback), then closes the
