@@ -6,9 +6,11 @@ httpcore walks every connection of a pool, some walks quadratic in them, each ti
 starts or ends; HttpClient therefore splits a loop's connections over several httpx clients.
 Each layout below is measured in turn, in interleaved rounds, with a new HttpClient a round (as
 the bench's HTTP path makes one a measurement): tiles/s, and the client's and the server's CPU
-a tile.
+a tile. ``--calls sync`` sends blocking calls from ``--in-flight`` threads instead of async
+calls on one loop.
 
 python benchmarks/http_client_pools.py [--shards 16,4] [--rounds 6] [--in-flight 512]
+                                       [--calls async|sync]
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import anyio
 
 import histoinfer.clients.http as http_module
 from histoinfer.bench.loopback import ServerProcess
-from histoinfer.bench.measure import check_responses, drive_async
+from histoinfer.bench.measure import check_responses, drive_async, drive_threads
 from histoinfer.bench.runner import default_workdir, ensure_checkpoint, load_bodies
 
 
@@ -31,6 +33,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--in-flight", type=int, default=512, help="calls in flight")
     parser.add_argument("--bodies", type=int, default=512, help="tiles a measurement")
+    parser.add_argument("--calls", choices=["async", "sync"], default="async")
     parser.add_argument("--workdir", default=default_workdir())
     args = parser.parse_args()
     checkpoint = ensure_checkpoint("tiny", args.workdir, print)
@@ -44,14 +47,19 @@ def main() -> None:
         def measure(shard: int, shared_tls: bool) -> tuple[float, float, float]:
             http_module._SHARD_CONNECTIONS = shard  # read when an HttpClient is made
 
+            client = http_module.HttpClient(server.base_url, "h1")
+            client._tls_shared = client._tls_shared and shared_tls
+
             async def run() -> tuple[float, list[float], list[str | None]]:
-                client = http_module.HttpClient(server.base_url, "h1")
-                client._tls_shared = client._tls_shared and shared_tls
                 async with client:
                     return await drive_async(client.predict_async, bodies, args.in_flight)
 
             cpu, server_cpu = time.process_time(), server.cpu_s()
-            wall, _, responses = anyio.run(run)
+            if args.calls == "async":
+                wall, _, responses = anyio.run(run)
+            else:
+                with client:
+                    wall, _, responses = drive_threads(client.predict, bodies, args.in_flight)
             check_responses(responses, "http")
             n = len(bodies)
             return (
@@ -73,7 +81,10 @@ def main() -> None:
                     flush=True,
                 )
 
-    print(f"\nmedians ({args.rounds} rounds, {args.in_flight} in flight, {len(bodies)} tiles):")
+    print(
+        f"\nmedians ({args.rounds} rounds, {args.calls} calls, {args.in_flight} in flight, "
+        f"{len(bodies)} tiles):"
+    )
     base = statistics.median(r[0] for r in rows[layouts[0]])
     for layout, measured in rows.items():
         columns = zip(*measured, strict=True)

@@ -527,6 +527,39 @@ def test_max_in_flight_bounds_sync_calls_across_threads(counting_server):
     assert app.peak == 4
 
 
+def test_sync_calls_are_split_over_shards_and_all_closed(counting_server):
+    """Threads' calls go through several httpx clients of at most 4 connections (one pool of
+    64 costs the client about twice the CPU a request), each made once, all closed by close()."""
+    server, app = counting_server
+    app.peak = 0
+    errors: list[BaseException] = []
+    client = HttpClient(server.base_url, max_in_flight=12)
+
+    def worker() -> None:
+        try:
+            for i in range(3):
+                client.predict(make_body(i))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(24)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    assert app.peak == 12
+    shards = client._sync
+    assert shards is not None
+    made = [c for c in shards._clients if c is not None]
+    assert 2 <= len(made) <= 3 and len(set(map(id, made))) == len(made)
+    assert shards._active == [0, 0, 0]  # every lease given back
+    client.close()
+    assert all(c.is_closed for c in made)
+    with pytest.raises(ClientClosedError):
+        client.predict(make_body(0))
+
+
 def test_max_in_flight_is_checked():
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="max_in_flight must be a positive int or None"):
@@ -547,15 +580,14 @@ def test_connections_are_split_into_shards_no_larger_than_the_bound():
 
 def _contexts(client: HttpClient) -> list[object]:
     """The TLS context each httpx client of ``client`` would be built with."""
-    sync, shards = client._options_with_tls()
-    return [sync.get("verify"), *(options.get("verify") for options in shards)]
+    return [options.get("verify") for options in client._options_with_tls()]
 
 
 def test_every_httpx_client_shares_one_tls_context():
     """Building a TLS context loads the CA bundle (~50 ms); a loop's pool makes several httpx
     clients, so they share one, built once and honouring ``verify``."""
     contexts = _contexts(HttpClient("http://h"))
-    assert len(contexts) == 17 and isinstance(contexts[0], ssl.SSLContext)
+    assert len(contexts) == 16 and isinstance(contexts[0], ssl.SSLContext)
     assert all(context is contexts[0] for context in contexts)
     assert contexts[0].verify_mode == ssl.CERT_REQUIRED
     unverified = _contexts(HttpClient("http://h", verify=False))[0]
@@ -572,7 +604,7 @@ async def test_shards_built_on_first_use_share_the_tls_context(counting_server):
     async with HttpClient(server.base_url, max_in_flight=12) as client:
         await run_concurrently(client.predict_async, 48)
         pool = next(iter(client._pools.values()))
-        made = [c for c in pool._clients if c is not None]
+        made = [c for c in pool._shards._clients if c is not None]
         assert len(made) >= 2  # 12 in flight need three shards of 4
         transports = [c._transport._pool._ssl_context for c in made]  # type: ignore[attr-defined]
         assert all(context is transports[0] for context in transports)

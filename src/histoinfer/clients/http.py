@@ -6,7 +6,7 @@ server's RFC 9457 problem+json. It imports neither torch nor the models nor the 
 loads fast wherever the model does not run.
 
 Sync and async calls share one request/retry policy (:class:`_Attempt`) and differ only in how
-they wait. The sync side uses one thread-safe ``httpx.Client``. An ``httpx.AsyncClient`` binds
+they wait. The sync side uses thread-safe ``httpx.Client`` objects. An ``httpx.AsyncClient`` binds
 to the event loop it first runs on, so the async side keeps one pool per running loop (asyncio
 or trio, any number of threads), and closes each pool on its own loop when the loop ends or
 the client is closed.
@@ -15,8 +15,9 @@ At most ``max_in_flight`` requests are on the wire at once: per event loop for a
 ``anyio.Semaphore`` in each loop's pool), and across all threads for sync calls (a
 ``threading.BoundedSemaphore``). httpcore scans every connection of its pool each time a
 request starts or ends, so a pool of hundreds of busy connections costs the client more CPU than
-the requests themselves; for the same reason each loop's connections are split over several
-``httpx.AsyncClient`` of at most 4 (see :class:`_LoopPool` and ``docs/server.md``). Every
+the requests themselves; for the same reason the connections (each loop's, and the sync
+calls') are split over several httpx clients of at most 4 (see :class:`_Shards` and
+``docs/server.md``). Every
 httpx client of one ``HttpClient`` shares one TLS context: building one costs ~50 ms (it loads
 the CA bundle), and a pool makes several per event loop.
 """
@@ -33,9 +34,9 @@ import random
 import ssl
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Generic, TypeVar
 from urllib.parse import quote
 
 import anyio
@@ -143,26 +144,26 @@ class HttpClient(ClosingContext):
         connections = (
             max_connections if max_in_flight is None else min(max_connections, max_in_flight)
         )
-        self._options: dict[str, Any] = {
+        options: dict[str, Any] = {
             "timeout": self._timeout,
             "limits": _limits(connections),
             **httpx_options,
         }
-        # Each loop's connections are split over several AsyncClients (see _LoopPool), unless
-        # the caller's options fix the transport or the limits themselves.
+        # The connections (each loop's, and the sync calls') are split over several httpx
+        # clients (see _Shards), unless the caller's options fix the transport or the limits.
         if _SHARDS_FIXED_BY.isdisjoint(httpx_options):
             self._shard_options = [
-                {**self._options, "limits": _limits(n)} for n in _shard_sizes(connections)
+                {**options, "limits": _limits(n)} for n in _shard_sizes(connections)
             ]
         else:
-            self._shard_options = [self._options]
+            self._shard_options = [options]
         self._sync_slots = (
             None if max_in_flight is None else threading.BoundedSemaphore(max_in_flight)
         )
         self._calls = InFlight()
         self._released = False  # the pools are closed: after close() and its calls in flight
         self._lock = threading.Lock()
-        self._sync: httpx.Client | None = None
+        self._sync: _Shards[httpx.Client] | None = None
         self._pools: dict[object, _LoopPool] = {}
         self._tls_shared = _SHARED_TLS_UNLESS.isdisjoint(httpx_options)
 
@@ -224,8 +225,8 @@ class HttpClient(ClosingContext):
         sync, pools = self._shut()
         for pool in pools:
             pool.request_close()
-        if sync is not None:
-            sync.close()
+        for client in sync.close() if sync is not None else ():
+            client.close()
 
     async def aclose(self) -> None:
         """:meth:`close` for async code; cancellable (the calls in flight then keep their pools
@@ -238,8 +239,8 @@ class HttpClient(ClosingContext):
             pool.request_close()
             if pool.key == here:
                 await pool.aclose_clients()  # this loop's pool is closed when we return
-        if sync is not None:
-            sync.close()
+        for client in sync.close() if sync is not None else ():
+            client.close()
 
     def __repr__(self) -> str:
         closed = " closed" if self.closed else ""
@@ -280,11 +281,11 @@ class HttpClient(ClosingContext):
     def _send(
         self, method: str, url: str, content: bytes | None, headers: dict[str, str]
     ) -> httpx.Response:
-        client = self._sync_client()
+        shards = self._sync_shards()
         attempt = _Attempt(self, method, url)
         while True:
             try:
-                with _slot(self._sync_slots, self.timeout):
+                with _slot(self._sync_slots, self.timeout), shards.lease() as client:
                     response = client.request(
                         method, url, content=content, headers=headers, timeout=self._timeout
                     )
@@ -332,12 +333,14 @@ class HttpClient(ClosingContext):
     def _closed_error(self, exc: RuntimeError) -> Exception:
         return ClientClosedError("the client is closed") if self._released else exc
 
-    def _sync_client(self) -> httpx.Client:
+    def _sync_shards(self) -> _Shards[httpx.Client]:
+        """The sync calls' httpx clients (split as each loop's are; made on first use)."""
         with self._lock:
             if self._released:
                 raise ClientClosedError("the client is closed")
             if self._sync is None:
-                self._sync = httpx.Client(**self._options_with_tls()[0])
+                options = self._options_with_tls()
+                self._sync = _Shards(options, httpx.Client, threading.Lock())
             return self._sync
 
     def _loop_pool(self) -> _LoopPool:
@@ -352,7 +355,7 @@ class HttpClient(ClosingContext):
             for stale in [k for k, p in self._pools.items() if p.finished()]:
                 del self._pools[stale]
             pool = self._pools[key] = _LoopPool(
-                self._options_with_tls()[1],
+                self._options_with_tls(),
                 self.max_in_flight,
                 key,
                 self._pools,
@@ -361,21 +364,20 @@ class HttpClient(ClosingContext):
         pool.start_keeper()
         return pool
 
-    def _options_with_tls(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        """The sync client's and the shards' options, all with one TLS context, built on first
-        use (under ``self._lock``): httpx would build one per client."""
+    def _options_with_tls(self) -> list[dict[str, Any]]:
+        """The shards' options, all with one TLS context, built on first use (under
+        ``self._lock``): httpx would build one per client."""
         if self._tls_shared:
-            verify = self._options.get("verify", True)
+            verify = self._shard_options[0].get("verify", True)
             if not isinstance(verify, ssl.SSLContext):
-                trust_env = self._options.get("trust_env", True)
+                trust_env = self._shard_options[0].get("trust_env", True)
                 context = httpx.create_ssl_context(verify=verify, trust_env=trust_env)
-                self._options["verify"] = context
                 for options in self._shard_options:
                     options["verify"] = context
             self._tls_shared = False  # done
-        return self._options, self._shard_options
+        return self._shard_options
 
-    def _shut(self) -> tuple[httpx.Client | None, list[_LoopPool]]:
+    def _shut(self) -> tuple[_Shards[httpx.Client] | None, list[_LoopPool]]:
         with self._lock:
             self._released = True
             sync, self._sync = self._sync, None
@@ -603,18 +605,69 @@ def _loop_key() -> object:
         return None
 
 
+_C = TypeVar("_C", httpx.Client, httpx.AsyncClient)
+
+
+class _Shards(Generic[_C]):
+    """A pool's connections as several httpx clients of at most ``_SHARD_CONNECTIONS``.
+
+    httpcore scans every connection of a pool, several times (some scans quadratic), each time
+    a request starts or ends: over 64 connections that costs ~8 ms of CPU per request on
+    asyncio, over 4 pools of 16 ~2.6 ms, over 16 of 4 ~1.5 (sync calls from 64 threads: 2.5
+    ms over one pool of 64, 1.2 over 16 of 4). A request takes the first shard with a free
+    connection, so light use makes and keeps one client. Clients are made on first use
+    (cheap: they share the HttpClient's TLS context). ``lock``: for shards shared by threads
+    (the sync calls'); a loop's are touched only on its thread.
+    """
+
+    def __init__(
+        self,
+        options: list[dict[str, Any]],
+        make: Callable[..., _C],
+        lock: threading.Lock | None = None,
+    ) -> None:
+        self._options = options
+        self._make: Callable[..., _C] = make
+        self._clients: list[_C | None] = [None] * len(options)
+        self._active = [0] * len(options)
+        self._capacity = [o["limits"].max_connections for o in options]
+        self._closed = False
+        self._lock: contextlib.AbstractContextManager[Any] = lock or contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def lease(self) -> Iterator[_C]:
+        """The client to send one request through."""
+        active, capacity = self._active, self._capacity
+        with self._lock:
+            i = next((i for i, n in enumerate(active) if n < capacity[i]), None)
+            if i is None:  # only without max_in_flight: queue where the fewest wait
+                i = min(range(len(active)), key=lambda j: active[j] - capacity[j])
+            client = self._clients[i]
+            if client is None:
+                if self._closed:  # never open a pool that nothing would close
+                    raise ClientClosedError("the client is closed")
+                client = self._clients[i] = self._make(**self._options[i])
+            active[i] += 1
+        try:
+            yield client
+        finally:
+            with self._lock:
+                active[i] -= 1
+
+    def close(self) -> list[_C]:
+        """Make no more clients; the ones made, for the caller to close."""
+        with self._lock:
+            self._closed = True
+            return [client for client in self._clients if client is not None]
+
+
 class _LoopPool:
     """The ``httpx.AsyncClient`` objects bound to one loop, and the keeper that closes them there.
 
     ``slots`` bounds the requests in flight on this loop (anyio primitives are loop-bound, so
-    one per loop). The loop's connections are split over several clients ("shards") of at most
-    ``_SHARD_CONNECTIONS``: httpcore scans every connection of a pool, several times, each time
-    a request starts or ends, which over 64 connections costs ~8 ms of CPU per request on
-    asyncio, over 4 pools of 16 ~2.6 ms, over 16 of 4 ~1.6. A request takes the first shard
-    with a free connection, so a lightly used loop makes and keeps one client. Clients are made
-    on first use (cheap: they share the HttpClient's TLS context), and a call through a
-    caller's ``session`` needs only the slots. Slots and shards are touched only on this loop's
-    thread.
+    one per loop). The loop's connections are split over several clients (:class:`_Shards`);
+    a call through a caller's ``session`` needs only the slots. Slots and shards are touched
+    only on this loop's thread.
 
     The keeper sleeps until the loop ends (its tasks are cancelled) or the HttpClient closes
     (it is cancelled from any thread, through the loop's thread-safe callback), then closes the
@@ -629,11 +682,7 @@ class _LoopPool:
         registry: dict[object, _LoopPool],
         lock: threading.Lock,
     ) -> None:
-        self._shard_options = shard_options
-        self._clients: list[httpx.AsyncClient | None] = [None] * len(shard_options)
-        self._active = [0] * len(shard_options)
-        self._capacity = [o["limits"].max_connections for o in shard_options]
-        self._clients_closed = False
+        self._shards: _Shards[httpx.AsyncClient] = _Shards(shard_options, httpx.AsyncClient)
         self.slots = (
             None
             if max_in_flight is None
@@ -653,26 +702,12 @@ class _LoopPool:
         if session is not None:
             yield session
             return
-        active, capacity = self._active, self._capacity
-        i = next((i for i, n in enumerate(active) if n < capacity[i]), None)
-        if i is None:  # only without max_in_flight: queue where the fewest wait
-            i = min(range(len(active)), key=lambda j: active[j] - capacity[j])
-        client = self._clients[i]
-        if client is None:
-            if self._clients_closed:  # never open a pool that nothing would close
-                raise ClientClosedError("the client is closed")
-            client = self._clients[i] = httpx.AsyncClient(**self._shard_options[i])
-        active[i] += 1
-        try:
+        with self._shards.lease() as client:
             yield client
-        finally:
-            active[i] -= 1
 
     async def aclose_clients(self) -> None:
-        self._clients_closed = True
-        for client in self._clients:
-            if client is not None:
-                await client.aclose()
+        for client in self._shards.close():
+            await client.aclose()
 
     def start_keeper(self) -> None:
         if sniffio.current_async_library() == "trio":
