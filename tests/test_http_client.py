@@ -505,35 +505,9 @@ async def test_max_in_flight_none_is_unbounded(counting_server):
     assert app.peak > 64  # past the default bound: only the pool's 256 connections limit it
 
 
-def test_max_in_flight_bounds_sync_calls_across_threads(counting_server):
-    server, app = counting_server
-    app.peak = 0
+def _predict_from_threads(client: HttpClient, threads: int) -> list[BaseException]:
+    """Three ``predict`` calls from each of ``threads`` threads; what they raised."""
     errors: list[BaseException] = []
-    with HttpClient(server.base_url, max_in_flight=4) as client:
-
-        def worker() -> None:
-            try:
-                for i in range(3):
-                    client.predict(make_body(i))
-            except BaseException as exc:
-                errors.append(exc)
-
-        threads = [threading.Thread(target=worker) for _ in range(32)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-    assert not errors
-    assert app.peak == 4
-
-
-def test_sync_calls_are_split_over_shards_and_all_closed(counting_server):
-    """Threads' calls go through several httpx clients of at most 4 connections (one pool of
-    64 costs the client about twice the CPU a request), each made once, all closed by close()."""
-    server, app = counting_server
-    app.peak = 0
-    errors: list[BaseException] = []
-    client = HttpClient(server.base_url, max_in_flight=12)
 
     def worker() -> None:
         try:
@@ -542,12 +516,29 @@ def test_sync_calls_are_split_over_shards_and_all_closed(counting_server):
         except BaseException as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=worker) for _ in range(24)]
-    for t in threads:
+    running = [threading.Thread(target=worker) for _ in range(threads)]
+    for t in running:
         t.start()
-    for t in threads:
+    for t in running:
         t.join(60)
-    assert not errors
+    return errors
+
+
+def test_max_in_flight_bounds_sync_calls_across_threads(counting_server):
+    server, app = counting_server
+    app.peak = 0
+    with HttpClient(server.base_url, max_in_flight=4) as client:
+        assert not _predict_from_threads(client, 32)
+    assert app.peak == 4
+
+
+def test_sync_calls_are_split_over_shards_and_all_closed(counting_server):
+    """Threads' calls go through several httpx clients of at most 4 connections (one pool of
+    64 costs the client about twice the CPU a request), each made once, all closed by close()."""
+    server, app = counting_server
+    app.peak = 0
+    client = HttpClient(server.base_url, max_in_flight=12)
+    assert not _predict_from_threads(client, 24)
     assert app.peak == 12
     shards = client._sync
     assert shards is not None
