@@ -1,0 +1,105 @@
+#!/usr/bin/env python
+"""The server's event loop: its CPU a request with uvicorn's h11 and httptools parsers.
+
+On a fast device the server's one event loop (HTTP parsing, routing, bodies, responses, the
+batching's hand-offs) is what bounds a process's requests a second (docs/server.md,
+"Deployment notes"). Each round starts one ``histoinfer serve`` (tiny model) per parser, in
+alternating order, sends it a warm-up and then two measurements of ``--bodies`` calls from
+``HttpClient`` at ``--in-flight``, and reads the CPU clock of the server's main thread from
+/proc (Linux only).
+
+python benchmarks/server_loop.py [--rounds 6] [--in-flight 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import anyio
+
+from histoinfer.bench.loopback import ServerProcess
+from histoinfer.bench.measure import check_responses, drive_async
+from histoinfer.bench.runner import default_workdir, ensure_checkpoint, load_bodies
+from histoinfer.clients.http import HttpClient
+
+PARSERS = ("h11", "httptools")
+
+
+def serve_with(parser: str) -> int:
+    """``histoinfer serve`` with uvicorn's "auto" HTTP protocol pinned to ``parser``."""
+    import uvicorn.config
+
+    from histoinfer.cli import main
+
+    uvicorn.config.HTTP_PROTOCOLS["auto"] = uvicorn.config.HTTP_PROTOCOLS[parser]
+    return main()
+
+
+def main_thread_cpu_s(pid: int) -> float:
+    stat = Path(f"/proc/{pid}/task/{pid}/stat").read_text()
+    fields = stat.rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--in-flight", type=int, default=64)
+    parser.add_argument("--bodies", type=int, default=512, help="calls a measurement")
+    parser.add_argument("--workdir", default=default_workdir())
+    args = parser.parse_args()
+    checkpoint = ensure_checkpoint("tiny", args.workdir, print)
+    bodies = load_bodies(args.bodies, 0, args.workdir, print)
+    rows: dict[str, list[tuple[float, float, float]]] = {p: [] for p in PARSERS}
+    serve = ["--model", "h1", "--checkpoint", str(checkpoint)]
+
+    for r in range(args.rounds):
+        for name in PARSERS if r % 2 == 0 else PARSERS[::-1]:
+            with ServerProcess(serve, launcher=(__file__, "--serve-with", name)) as server:
+
+                async def run(url: str = server.base_url) -> list[str | None]:
+                    async with HttpClient(url, "h1") as client:
+                        _, _, responses = await drive_async(
+                            client.predict_async, bodies, args.in_flight
+                        )
+                    return responses
+
+                anyio.run(run)  # warm-up
+                pid, started = server.proc.pid, time.perf_counter()
+                loop_cpu, server_cpu = main_thread_cpu_s(pid), server.cpu_s()
+                for _ in range(2):
+                    check_responses(anyio.run(run), "http")
+                n, wall = 2 * len(bodies), time.perf_counter() - started
+                rows[name].append(
+                    (
+                        n / wall,
+                        1000 * (main_thread_cpu_s(pid) - loop_cpu) / n,
+                        1000 * (server.cpu_s() - server_cpu) / n,
+                    )
+                )
+            tiles_s, loop_ms, server_ms = rows[name][-1]
+            print(
+                f"round {r + 1}, {name:>9}: {tiles_s:6.1f} tiles/s, event loop {loop_ms:.3f} ms "
+                f"a request, server {server_ms:.2f}",
+                flush=True,
+            )
+    print(f"\nmedians ({args.rounds} rounds, {args.in_flight} in flight):")
+    for name, measured in rows.items():
+        tiles_s, loop_ms, server_ms = (statistics.median(c) for c in zip(*measured, strict=True))
+        print(
+            f"  {name:>9}: {tiles_s:6.1f} tiles/s, the server's event loop {loop_ms:.3f} ms of "
+            f"CPU a request, the server {server_ms:.2f}"
+        )
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--serve-with"]:
+        name = sys.argv[2]
+        del sys.argv[1:3]
+        raise SystemExit(serve_with(name))
+    main()
