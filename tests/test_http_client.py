@@ -551,6 +551,17 @@ def test_sync_calls_are_split_over_shards_and_all_closed(counting_server):
         client.predict(make_body(0))
 
 
+@pytest.mark.anyio
+async def test_a_callers_unbounded_limits_are_one_client(counting_server):
+    """``limits`` with no connection bound: one httpx client, as configured, sync and async."""
+    server, _ = counting_server
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with HttpClient(server.base_url, max_in_flight=None, limits=limits) as client:
+        await run_concurrently(client.predict_async, 8)
+        await anyio.to_thread.run_sync(client.predict, make_body(0))
+        assert len(client._shard_options) == 1
+
+
 def test_max_in_flight_is_checked():
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="max_in_flight must be a positive int or None"):

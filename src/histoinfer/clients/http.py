@@ -30,6 +30,7 @@ import contextlib
 import email.utils
 import json
 import logging
+import math
 import random
 import ssl
 import threading
@@ -630,7 +631,8 @@ class _Shards(Generic[_C]):
         self._make: Callable[..., _C] = make
         self._clients: list[_C | None] = [None] * len(options)
         self._active = [0] * len(options)
-        self._capacity = [o["limits"].max_connections for o in options]
+        # A caller's own httpx.Limits may leave the connections unbounded (None).
+        self._capacity = [o["limits"].max_connections or math.inf for o in options]
         self._closed = False
         self._lock: contextlib.AbstractContextManager[Any] = lock or contextlib.nullcontext()
 
