@@ -367,6 +367,8 @@ class PeakCounter:
         self.delay = delay
         self.now = 0
         self.peak = 0
+        self.set_cookie: bytes | None = None  # sent with every answer while set
+        self.cookies: list[bytes | None] = []  # each request's Cookie header
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -376,13 +378,15 @@ class PeakCounter:
             return
         self.now += 1
         self.peak = max(self.peak, self.now)
+        self.cookies.append(dict(scope["headers"]).get(b"cookie"))
         try:
             while (await receive()).get("more_body"):
                 pass
             await anyio.sleep(self.delay)
         finally:
             self.now -= 1
-        await send({"type": "http.response.start", "status": 200, "headers": []})
+        headers = [] if self.set_cookie is None else [(b"set-cookie", self.set_cookie)]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": b'{"ok": true}'})
 
 
@@ -582,7 +586,8 @@ def test_connections_are_split_into_shards_no_larger_than_the_bound():
 
 def _contexts(client: HttpClient) -> list[object]:
     """The TLS context each httpx client of ``client`` would be built with."""
-    return [options.get("verify") for options in client._options_with_tls()]
+    client._share_across_clients()  # what happens before the first httpx client is made
+    return [options.get("verify") for options in client._shard_options]
 
 
 def test_every_httpx_client_shares_one_tls_context():
@@ -596,8 +601,44 @@ def test_every_httpx_client_shares_one_tls_context():
     assert isinstance(unverified, ssl.SSLContext) and unverified.verify_mode == ssl.CERT_NONE
     own = ssl.create_default_context()
     assert all(context is own for context in _contexts(HttpClient("http://h", verify=own)))
-    # Options that shape the context per client: left to httpx, as given.
-    assert all(c is None for c in _contexts(HttpClient("http://h", http2=False)))
+    # ALPN is httpcore's to set, per connection: http2 shares the context too.
+    assert len({id(c) for c in _contexts(HttpClient("http://h", http2=True))}) == 1
+    # The caller's transport decides its own TLS.
+    mock = httpx.MockTransport(lambda r: httpx.Response(200))
+    assert _contexts(HttpClient("http://h", transport=mock)) == [None]
+
+
+@pytest.mark.anyio
+async def test_calls_through_a_session_build_no_client_of_ours(server):
+    """Calls that all go through the caller's ``session`` make no httpx client of ours, so
+    options only those would use (here a CA file that does not exist) cost and break
+    nothing."""
+    async with (
+        HttpClient(server.base_url, verify="/nonexistent/ca.pem") as client,
+        httpx.AsyncClient() as session,
+    ):
+        assert json.loads(await client.embed_async(make_body(2), session=session))
+        assert not client._shared
+        assert all(c is None for pool in client._pools.values() for c in pool._shards._clients)
+
+
+@pytest.mark.anyio
+async def test_a_cookie_the_server_sets_reaches_every_shard(counting_server):
+    """One cookie jar for all the httpx clients: a load balancer's stickiness cookie (or a
+    gateway's session) set on one answer goes with every later request, async and sync,
+    whichever shard sends it."""
+    server, app = counting_server
+    app.set_cookie = b"AWSALB=sticky-1; Path=/"
+    try:
+        async with HttpClient(server.base_url, max_in_flight=16) as client:
+            await client.predict_async(make_body(0))
+            app.set_cookie, app.cookies = None, []
+            await run_concurrently(client.predict_async, 32)
+            await anyio.to_thread.run_sync(_predict_from_threads, client, 8)
+            assert len(client._sync._clients) == 4 and len(app.cookies) == 32 + 24
+            assert app.cookies == [b"AWSALB=sticky-1"] * (32 + 24)
+    finally:
+        app.set_cookie, app.cookies = None, []
 
 
 @pytest.mark.anyio

@@ -32,7 +32,6 @@ import json
 import logging
 import math
 import random
-import ssl
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -166,7 +165,10 @@ class HttpClient(ClosingContext):
         self._lock = threading.Lock()
         self._sync: _Shards[httpx.Client] | None = None
         self._pools: dict[object, _LoopPool] = {}
-        self._tls_shared = _SHARED_TLS_UNLESS.isdisjoint(httpx_options)
+        # Whether the clients are to share one TLS context (see _share_across_clients); with a
+        # transport or mounts of the caller's, those decide.
+        self._share_tls = not {"transport", "mounts"} & httpx_options.keys()
+        self._shared = False  # the shards' options carry the shared context and cookie jar
 
     # -- Client protocol: sync ---------------------------------------------------------------
 
@@ -340,8 +342,9 @@ class HttpClient(ClosingContext):
             if self._released:
                 raise ClientClosedError("the client is closed")
             if self._sync is None:
-                options = self._options_with_tls()
-                self._sync = _Shards(options, httpx.Client, threading.Lock())
+                self._sync = _Shards(
+                    self._shard_options, httpx.Client, self._share_across_clients, threading.Lock()
+                )
             return self._sync
 
     def _loop_pool(self) -> _LoopPool:
@@ -356,7 +359,7 @@ class HttpClient(ClosingContext):
             for stale in [k for k, p in self._pools.items() if p.finished()]:
                 del self._pools[stale]
             pool = self._pools[key] = _LoopPool(
-                self._options_with_tls(),
+                _Shards(self._shard_options, httpx.AsyncClient, self._share_across_clients),
                 self.max_in_flight,
                 key,
                 self._pools,
@@ -365,18 +368,34 @@ class HttpClient(ClosingContext):
         pool.start_keeper()
         return pool
 
-    def _options_with_tls(self) -> list[dict[str, Any]]:
-        """The shards' options, all with one TLS context, built on first use (under
-        ``self._lock``): httpx would build one per client."""
-        if self._tls_shared:
-            verify = self._shard_options[0].get("verify", True)
-            if not isinstance(verify, ssl.SSLContext):
-                trust_env = self._shard_options[0].get("trust_env", True)
-                context = httpx.create_ssl_context(verify=verify, trust_env=trust_env)
-                for options in self._shard_options:
-                    options["verify"] = context
-            self._tls_shared = False  # done
-        return self._shard_options
+    def _share_across_clients(self) -> None:
+        """Give every httpx client of this HttpClient (sync, and each loop's) one cookie jar and
+        one TLS context; before the first client is made, so never for calls that all go
+        through a caller's ``session``.
+
+        httpx keeps cookies per client: a cookie the server sets (a load balancer's stickiness,
+        a gateway's session) would reach only the requests sent through the same shard. And it
+        builds a TLS context per client, loading the CA bundle (~50 ms) each time. The shared
+        context is built from the caller's ``verify``, ``cert`` and ``trust_env`` as httpx
+        would (``cert`` loaded into it once). ALPN for ``http2`` is set by httpcore on every
+        connection, the same for every client.
+        """
+        with self._lock:
+            if self._shared:
+                return
+            first = self._shard_options[0]
+            shared: dict[str, Any] = {"cookies": httpx.Cookies(first.get("cookies")).jar}
+            if self._share_tls:
+                shared["verify"] = httpx.create_ssl_context(
+                    verify=first.get("verify", True),
+                    cert=first.get("cert"),
+                    trust_env=first.get("trust_env", True),
+                )
+            for options in self._shard_options:
+                options.update(shared)
+                if self._share_tls:
+                    options.pop("cert", None)  # in the context already
+            self._shared = True
 
     def _shut(self) -> tuple[_Shards[httpx.Client] | None, list[_LoopPool]]:
         with self._lock:
@@ -391,8 +410,6 @@ class HttpClient(ClosingContext):
 #: this. 4 clients of 16 cost the client a quarter of the CPU a request of one of 64; 16 of 4
 #: cost 0.61 of 4 of 16 (docs/benchmarks-history.md, "Session 13").
 _SHARD_CONNECTIONS = 4
-#: ``httpx_options`` that shape the TLS context in ways one shared context would not keep.
-_SHARED_TLS_UNLESS = frozenset({"cert", "http2", "transport", "mounts"})
 #: ``httpx_options`` with which the caller fixes the transport or the limits: no sharding.
 _SHARDS_FIXED_BY = frozenset({"transport", "mounts", "limits"})
 
@@ -625,10 +642,12 @@ class _Shards(Generic[_C]):
         self,
         options: list[dict[str, Any]],
         make: Callable[..., _C],
+        share: Callable[[], None],
         lock: threading.Lock | None = None,
     ) -> None:
         self._options = options
         self._make: Callable[..., _C] = make
+        self._share = share  # called before a client is made (what its options share)
         self._clients: list[_C | None] = [None] * len(options)
         self._active = [0] * len(options)
         # A caller's own httpx.Limits may leave the connections unbounded (None).
@@ -648,6 +667,7 @@ class _Shards(Generic[_C]):
             if client is None:
                 if self._closed:  # never open a pool that nothing would close
                     raise ClientClosedError("the client is closed")
+                self._share()
                 client = self._clients[i] = self._make(**self._options[i])
             active[i] += 1
         try:
@@ -678,13 +698,13 @@ class _LoopPool:
 
     def __init__(
         self,
-        shard_options: list[dict[str, Any]],
+        shards: _Shards[httpx.AsyncClient],
         max_in_flight: int | None,
         key: object,
         registry: dict[object, _LoopPool],
         lock: threading.Lock,
     ) -> None:
-        self._shards: _Shards[httpx.AsyncClient] = _Shards(shard_options, httpx.AsyncClient)
+        self._shards = shards
         self.slots = (
             None
             if max_in_flight is None
