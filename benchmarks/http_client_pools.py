@@ -48,7 +48,7 @@ def main() -> None:
             http_module._SHARD_CONNECTIONS = shard  # read when an HttpClient is made
 
             client = http_module.HttpClient(server.base_url, "h1")
-            client._share_tls = client._share_tls and shared_tls
+            client._options.share_tls = client._options.share_tls and shared_tls
 
             async def run() -> tuple[float, list[float], list[str | None]]:
                 async with client:

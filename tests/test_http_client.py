@@ -563,7 +563,7 @@ async def test_a_callers_unbounded_limits_are_one_client(counting_server):
     async with HttpClient(server.base_url, max_in_flight=None, limits=limits) as client:
         await run_concurrently(client.predict_async, 8)
         await anyio.to_thread.run_sync(client.predict, make_body(0))
-        assert len(client._shard_options) == 1
+        assert len(client._options.shards) == 1
 
 
 def test_max_in_flight_is_checked():
@@ -577,17 +577,17 @@ def test_connections_are_split_into_shards_no_larger_than_the_bound():
     assert http_module._shard_sizes(10) == [4, 3, 3]
     assert http_module._shard_sizes(1) == [1]
     sizes = [
-        o["limits"].max_connections for o in HttpClient("http://h", max_in_flight=8)._shard_options
+        o["limits"].max_connections for o in HttpClient("http://h", max_in_flight=8)._options.shards
     ]
     assert sizes == [4, 4]
     with HttpClient("http://h", transport=httpx.MockTransport(lambda r: httpx.Response(200))) as c:
-        assert len(c._shard_options) == 1  # the caller's transport: one client, not shards
+        assert len(c._options.shards) == 1  # the caller's transport: one client, not shards
 
 
 def _contexts(client: HttpClient) -> list[object]:
     """The TLS context each httpx client of ``client`` would be built with."""
-    client._share_across_clients()  # what happens before the first httpx client is made
-    return [options.get("verify") for options in client._shard_options]
+    client._options.share()  # what happens before the first httpx client is made
+    return [options.get("verify") for options in client._options.shards]
 
 
 def test_every_httpx_client_shares_one_tls_context():
@@ -618,7 +618,7 @@ async def test_calls_through_a_session_build_no_client_of_ours(server):
         httpx.AsyncClient() as session,
     ):
         assert json.loads(await client.embed_async(make_body(2), session=session))
-        assert not client._shared
+        assert not client._options.shared
         assert all(c is None for pool in client._pools.values() for c in pool._shards._clients)
 
 

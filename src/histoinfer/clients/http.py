@@ -17,9 +17,7 @@ At most ``max_in_flight`` requests are on the wire at once: per event loop for a
 request starts or ends, so a pool of hundreds of busy connections costs the client more CPU than
 the requests themselves; for the same reason the connections (each loop's, and the sync
 calls') are split over several httpx clients of at most 4 (see :class:`_Shards` and
-``docs/server.md``). Every
-httpx client of one ``HttpClient`` shares one TLS context: building one costs ~50 ms (it loads
-the CA bundle), and a pool makes several per event loop.
+``docs/server.md``), which share one cookie jar and one TLS context (:class:`_ClientOptions`).
 """
 
 from __future__ import annotations
@@ -152,11 +150,13 @@ class HttpClient(ClosingContext):
         # The connections (each loop's, and the sync calls') are split over several httpx
         # clients (see _Shards), unless the caller's options fix the transport or the limits.
         if _SHARDS_FIXED_BY.isdisjoint(httpx_options):
-            self._shard_options = [
-                {**options, "limits": _limits(n)} for n in _shard_sizes(connections)
-            ]
+            shards = [{**options, "limits": _limits(n)} for n in _shard_sizes(connections)]
         else:
-            self._shard_options = [options]
+            shards = [options]
+        # With a transport or mounts of the caller's, those decide the TLS context.
+        self._options = _ClientOptions(
+            shards, share_tls=not {"transport", "mounts"} & options.keys()
+        )
         self._sync_slots = (
             None if max_in_flight is None else threading.BoundedSemaphore(max_in_flight)
         )
@@ -165,10 +165,6 @@ class HttpClient(ClosingContext):
         self._lock = threading.Lock()
         self._sync: _Shards[httpx.Client] | None = None
         self._pools: dict[object, _LoopPool] = {}
-        # Whether the clients are to share one TLS context (see _share_across_clients); with a
-        # transport or mounts of the caller's, those decide.
-        self._share_tls = not {"transport", "mounts"} & httpx_options.keys()
-        self._shared = False  # the shards' options carry the shared context and cookie jar
 
     # -- Client protocol: sync ---------------------------------------------------------------
 
@@ -342,9 +338,7 @@ class HttpClient(ClosingContext):
             if self._released:
                 raise ClientClosedError("the client is closed")
             if self._sync is None:
-                self._sync = _Shards(
-                    self._shard_options, httpx.Client, self._share_across_clients, threading.Lock()
-                )
+                self._sync = _Shards(self._options, httpx.Client, threading.Lock())
             return self._sync
 
     def _loop_pool(self) -> _LoopPool:
@@ -359,7 +353,7 @@ class HttpClient(ClosingContext):
             for stale in [k for k, p in self._pools.items() if p.finished()]:
                 del self._pools[stale]
             pool = self._pools[key] = _LoopPool(
-                _Shards(self._shard_options, httpx.AsyncClient, self._share_across_clients),
+                _Shards(self._options, httpx.AsyncClient),
                 self.max_in_flight,
                 key,
                 self._pools,
@@ -367,35 +361,6 @@ class HttpClient(ClosingContext):
             )
         pool.start_keeper()
         return pool
-
-    def _share_across_clients(self) -> None:
-        """Give every httpx client of this HttpClient (sync, and each loop's) one cookie jar and
-        one TLS context; before the first client is made, so never for calls that all go
-        through a caller's ``session``.
-
-        httpx keeps cookies per client: a cookie the server sets (a load balancer's stickiness,
-        a gateway's session) would reach only the requests sent through the same shard. And it
-        builds a TLS context per client, loading the CA bundle (~50 ms) each time. The shared
-        context is built from the caller's ``verify``, ``cert`` and ``trust_env`` as httpx
-        would (``cert`` loaded into it once). ALPN for ``http2`` is set by httpcore on every
-        connection, the same for every client.
-        """
-        with self._lock:
-            if self._shared:
-                return
-            first = self._shard_options[0]
-            shared: dict[str, Any] = {"cookies": httpx.Cookies(first.get("cookies")).jar}
-            if self._share_tls:
-                shared["verify"] = httpx.create_ssl_context(
-                    verify=first.get("verify", True),
-                    cert=first.get("cert"),
-                    trust_env=first.get("trust_env", True),
-                )
-            for options in self._shard_options:
-                options.update(shared)
-                if self._share_tls:
-                    options.pop("cert", None)  # in the context already
-            self._shared = True
 
     def _shut(self) -> tuple[_Shards[httpx.Client] | None, list[_LoopPool]]:
         with self._lock:
@@ -406,7 +371,7 @@ class HttpClient(ClosingContext):
         return sync, pools
 
 
-#: The most connections in one ``httpx.AsyncClient``: httpcore's scans grow with the square of
+#: The most connections in one httpx client: httpcore's scans grow with the square of
 #: this. 4 clients of 16 cost the client a quarter of the CPU a request of one of 64; 16 of 4
 #: cost 0.61 of 4 of 16 (docs/benchmarks-history.md, "Session 13").
 _SHARD_CONNECTIONS = 4
@@ -623,6 +588,45 @@ def _loop_key() -> object:
         return None
 
 
+class _ClientOptions:
+    """The options of each shard's httpx client, and what every client of one ``HttpClient``
+    shares (sync, and each loop's): one cookie jar and one TLS context, given to the options
+    by :meth:`share` before the first client is made (so never for calls that all go through
+    a caller's ``session``).
+
+    httpx keeps cookies per client: a cookie the server sets (a load balancer's stickiness, a
+    gateway's session) would reach only the requests sent through the same shard. And it builds
+    a TLS context per client, loading the CA bundle (~50 ms) each time. The shared context is
+    built from the caller's ``verify``, ``cert`` and ``trust_env`` as httpx would (``cert``
+    loaded into it once); ALPN for ``http2`` is set by httpcore on every connection, the same
+    for every client. Pools hold this, not the ``HttpClient``.
+    """
+
+    def __init__(self, shards: list[dict[str, Any]], *, share_tls: bool) -> None:
+        self.shards = shards
+        self.share_tls = share_tls
+        self.shared = False
+        self._lock = threading.Lock()
+
+    def share(self) -> None:
+        with self._lock:
+            if self.shared:
+                return
+            first = self.shards[0]
+            shared: dict[str, Any] = {"cookies": httpx.Cookies(first.get("cookies")).jar}
+            if self.share_tls:
+                shared["verify"] = httpx.create_ssl_context(
+                    verify=first.get("verify", True),
+                    cert=first.get("cert"),
+                    trust_env=first.get("trust_env", True),
+                )
+            for options in self.shards:
+                options.update(shared)
+                if self.share_tls:
+                    options.pop("cert", None)  # in the context already
+            self.shared = True
+
+
 _C = TypeVar("_C", httpx.Client, httpx.AsyncClient)
 
 
@@ -634,24 +638,22 @@ class _Shards(Generic[_C]):
     asyncio, over 4 pools of 16 ~2.6 ms, over 16 of 4 ~1.5 (sync calls from 64 threads: 2.5
     ms over one pool of 64, 1.2 over 16 of 4). A request takes the first shard with a free
     connection, so light use makes and keeps one client. Clients are made on first use
-    (cheap: they share the HttpClient's TLS context). ``lock``: for shards shared by threads
+    (cheap: they share one TLS context). ``lock``: for shards shared by threads
     (the sync calls'); a loop's are touched only on its thread.
     """
 
     def __init__(
         self,
-        options: list[dict[str, Any]],
+        options: _ClientOptions,
         make: Callable[..., _C],
-        share: Callable[[], None],
         lock: threading.Lock | None = None,
     ) -> None:
         self._options = options
         self._make: Callable[..., _C] = make
-        self._share = share  # called before a client is made (what its options share)
-        self._clients: list[_C | None] = [None] * len(options)
-        self._active = [0] * len(options)
+        self._clients: list[_C | None] = [None] * len(options.shards)
+        self._active = [0] * len(options.shards)
         # A caller's own httpx.Limits may leave the connections unbounded (None).
-        self._capacity = [o["limits"].max_connections or math.inf for o in options]
+        self._capacity = [o["limits"].max_connections or math.inf for o in options.shards]
         self._closed = False
         self._lock: contextlib.AbstractContextManager[Any] = lock or contextlib.nullcontext()
 
@@ -667,8 +669,8 @@ class _Shards(Generic[_C]):
             if client is None:
                 if self._closed:  # never open a pool that nothing would close
                     raise ClientClosedError("the client is closed")
-                self._share()
-                client = self._clients[i] = self._make(**self._options[i])
+                self._options.share()
+                client = self._clients[i] = self._make(**self._options.shards[i])
             active[i] += 1
         try:
             yield client
