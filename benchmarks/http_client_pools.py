@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import anyio
 
@@ -34,7 +35,7 @@ def main() -> None:
     parser.add_argument("--in-flight", type=int, default=512, help="calls in flight")
     parser.add_argument("--bodies", type=int, default=512, help="tiles a measurement")
     parser.add_argument("--calls", choices=["async", "sync"], default="async")
-    parser.add_argument("--workdir", default=default_workdir())
+    parser.add_argument("--workdir", type=Path, default=default_workdir())
     args = parser.parse_args()
     checkpoint = ensure_checkpoint("tiny", args.workdir, print)
     bodies = load_bodies(args.bodies, 0, args.workdir, print)

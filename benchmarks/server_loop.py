@@ -51,7 +51,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--in-flight", type=int, default=64)
     parser.add_argument("--bodies", type=int, default=512, help="calls a measurement")
-    parser.add_argument("--workdir", default=default_workdir())
+    parser.add_argument("--workdir", type=Path, default=default_workdir())
     args = parser.parse_args()
     checkpoint = ensure_checkpoint("tiny", args.workdir, print)
     bodies = load_bodies(args.bodies, 0, args.workdir, print)
