@@ -6,9 +6,10 @@ batching's hand-offs) is what bounds a process's requests a second (docs/server.
 "Deployment notes"). Each round starts one ``histoinfer serve`` (tiny model) per parser, in
 alternating order, sends it a warm-up and then two measurements of ``--bodies`` calls from
 ``HttpClient`` at ``--in-flight``, and reads the CPU clock of the server's main thread from
-/proc (Linux only).
+/proc (Linux only). ``--src A,B`` compares two versions of histoinfer instead (their ``src/``
+folders, each server with its default parser): the client is this checkout's.
 
-python benchmarks/server_loop.py [--rounds 6] [--in-flight 64]
+python benchmarks/server_loop.py [--rounds 6] [--in-flight 64] [--src OLD/src,NEW/src]
 """
 
 from __future__ import annotations
@@ -52,15 +53,28 @@ def main() -> None:
     parser.add_argument("--in-flight", type=int, default=64)
     parser.add_argument("--bodies", type=int, default=512, help="calls a measurement")
     parser.add_argument("--workdir", type=Path, default=default_workdir())
+    parser.add_argument("--src", help="two src/ folders to compare, A,B (instead of parsers)")
     args = parser.parse_args()
+    # Each variant: how its server is started (launcher, environment).
+    variants: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
+        name: ((__file__, "--serve-with", name), {}) for name in PARSERS
+    }
+    if args.src:
+        a, b = (str(Path(p).resolve()) for p in args.src.split(","))
+        variants = {
+            "A": (("-m", "histoinfer"), {"PYTHONPATH": a}),
+            "B": (("-m", "histoinfer"), {"PYTHONPATH": b}),
+        }
     checkpoint = ensure_checkpoint("tiny", args.workdir, print)
     bodies = load_bodies(args.bodies, 0, args.workdir, print)
-    rows: dict[str, list[tuple[float, float, float]]] = {p: [] for p in PARSERS}
+    rows: dict[str, list[tuple[float, float, float]]] = {v: [] for v in variants}
+    names = list(variants)
     serve = ["--model", "h1", "--checkpoint", str(checkpoint)]
 
     for r in range(args.rounds):
-        for name in PARSERS if r % 2 == 0 else PARSERS[::-1]:
-            with ServerProcess(serve, launcher=(__file__, "--serve-with", name)) as server:
+        for name in names if r % 2 == 0 else names[::-1]:
+            launcher, env = variants[name]
+            with ServerProcess(serve, launcher=launcher, env=env) as server:
 
                 async def run(url: str = server.base_url) -> list[str | None]:
                     async with HttpClient(url, "h1") as client:
@@ -95,6 +109,8 @@ def main() -> None:
             f"  {name:>9}: {tiles_s:6.1f} tiles/s, the server's event loop {loop_ms:.3f} ms of "
             f"CPU a request, the server {server_ms:.2f}"
         )
+    if args.src:
+        print(f"  A: {args.src.split(',')[0]}\n  B: {args.src.split(',')[1]}")
 
 
 if __name__ == "__main__":

@@ -49,6 +49,13 @@ def test_http_client_pools_measures_every_layout(workdir: Path, calls: str) -> N
 
 
 @pytest.mark.timeout(240)
+def test_server_loop_compares_two_versions(workdir: Path) -> None:
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    out = _run("server_loop.py", workdir, "--src", f"{src},{src}")
+    assert re.findall(r"^ +([AB]): +[\d.]+ tiles/s", out, re.M) == ["A", "B"], out
+
+
+@pytest.mark.timeout(240)
 def test_server_loop_measures_both_parsers(workdir: Path) -> None:
     out = _run("server_loop.py", workdir)
     parsers = re.findall(

@@ -384,14 +384,7 @@ def create_app(
         """The model's metadata (SPEC §3.3), with the batching settings in force."""
         return _json(state.client(model).metadata())
 
-    @app.post(
-        "/api/{mode}/{model}",
-        tags=["inference"],
-        response_class=Response,
-        responses={200: {"model": ModelResponse}, **_docs(400, 404, 413, 422, 500, 503)},
-        openapi_extra=_body_docs(request_schema, _JSON),
-    )
-    async def infer(mode: str, model: str, request: Request) -> Response:
+    async def infer(request: Request) -> Response:
         """One tile through ``mode`` (predict, embed or predict_with_embedding).
 
         Concurrent requests are batched dynamically; a full queue answers 503 at once.
@@ -399,10 +392,37 @@ def create_app(
         # The body is read first even when the answer is an error: a client still writing it
         # would otherwise see the connection reset instead of the answer.
         body = await read_body(request, state.max_body_bytes)
+        mode, model = request.path_params["mode"], request.path_params["model"]
         if mode == "metadata":  # the metadata route, with the wrong method: not a mode
             raise StarletteHTTPException(405, headers={"Allow": "GET"})
         checked, client = _mode(mode), state.client(model)
         return _json(await client.infer_async(body, checked))
+
+    # The single-tile route, every request's, is served by a plain Starlette route: FastAPI's
+    # own handling of a route (its dependency solving and request/response wrappers) cost
+    # ~0.25 ms of the event loop's CPU a request, a quarter of it, and that loop is what bounds
+    # a server on a fast device (docs/server.md, "Deployment notes"). Added first, it is the
+    # route that matches; the APIRoute after it, the same endpoint, documents it in OpenAPI.
+    single_tile = "/api/{mode}/{model}"
+    app.router.add_route(single_tile, infer, methods=["POST"], include_in_schema=False)
+    app.post(
+        single_tile,
+        tags=["inference"],
+        response_class=Response,
+        responses={200: {"model": ModelResponse}, **_docs(400, 404, 413, 422, 500, 503)},
+        openapi_extra={
+            **_body_docs(request_schema, _JSON),
+            "parameters": [
+                {
+                    "name": n,
+                    "in": "path",
+                    "required": True,
+                    "schema": {"type": "string", "title": n.title()},
+                }
+                for n in ("mode", "model")
+            ],
+        },
+    )(infer)
 
     @app.post(
         "/api/{mode}/{model}/batch",
