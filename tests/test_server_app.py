@@ -372,7 +372,9 @@ def test_the_single_tile_route_is_served_without_fastapis_route_handling(tiny_mo
     scope = {"type": "http", "method": "POST", "path": "/api/predict/h1", "root_path": ""}
     served = next(r for r in app.router.routes if r.matches(scope)[0] is Match.FULL)
     assert not isinstance(served, APIRoute)
-    assert served.matches(scope)[1]["path_params"] == {"mode": "predict", "model": "h1"}
+    child = served.matches(scope)[1]
+    assert child["path_params"] == {"mode": "predict", "model": "h1"}
+    assert child["route"] is served  # as FastAPI's routes do: middleware reads the template
 
 
 def test_create_app_needs_a_model():

@@ -27,6 +27,8 @@ from PIL import Image
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Match, Route
+from starlette.types import Scope
 
 from .. import __version__
 from ..clients.inprocess import InProcessClient
@@ -312,6 +314,17 @@ def _docs(*statuses: int) -> dict[int | str, dict[str, Any]]:
     }
 
 
+class _NamedRoute(Route):
+    """A plain Starlette route that, like FastAPI's, names itself in ``scope["route"]``: what
+    ASGI middleware and tracing tools read for the route's template."""
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        match, child_scope = super().matches(scope)
+        if match != Match.NONE:
+            child_scope["route"] = self
+        return match, child_scope
+
+
 def _body_docs(schema: dict[str, Any], *content_types: str) -> dict[str, Any]:
     content = {ctype: {"schema": schema} for ctype in content_types}
     return {"requestBody": {"required": True, "content": content}}
@@ -404,7 +417,9 @@ def create_app(
     # a server on a fast device (docs/server.md, "Deployment notes"). Added first, it is the
     # route that matches; the APIRoute after it, the same endpoint, documents it in OpenAPI.
     single_tile = "/api/{mode}/{model}"
-    app.router.add_route(single_tile, infer, methods=["POST"], include_in_schema=False)
+    app.router.routes.append(
+        _NamedRoute(single_tile, infer, methods=["POST"], include_in_schema=False)
+    )
     app.post(
         single_tile,
         tags=["inference"],
