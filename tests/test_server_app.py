@@ -362,7 +362,7 @@ async def test_openapi_documents_the_routes(tiny_model):
 
 
 def test_the_single_tile_route_is_served_without_fastapis_route_handling(tiny_model):
-    """Every request's route is a plain Starlette route (FastAPI's handling cost a quarter of
+    """Every request's route is a plain Starlette route (FastAPI's handling cost a sixth of
     the event loop's CPU a request); it precedes the APIRoute that documents it, so a POST
     there reaches it first."""
     from fastapi.routing import APIRoute

@@ -413,7 +413,7 @@ def create_app(
 
     # The single-tile route, every request's, is served by a plain Starlette route: FastAPI's
     # own handling of a route (its dependency solving and request/response wrappers) cost
-    # ~0.25 ms of the event loop's CPU a request, a quarter of it, and that loop is what bounds
+    # ~0.17 ms of the event loop's CPU a request, a sixth of it, and that loop is what bounds
     # a server on a fast device (docs/server.md, "Deployment notes"). Added first, it is the
     # route that matches; the APIRoute after it, the same endpoint, documents it in OpenAPI.
     single_tile = "/api/{mode}/{model}"
