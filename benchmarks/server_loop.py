@@ -15,7 +15,6 @@ python benchmarks/server_loop.py [--rounds 6] [--in-flight 64] [--src OLD/src,NE
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -39,12 +38,6 @@ def serve_with(parser: str) -> int:
 
     uvicorn.config.HTTP_PROTOCOLS["auto"] = uvicorn.config.HTTP_PROTOCOLS[parser]
     return main()
-
-
-def main_thread_cpu_s(pid: int) -> float:
-    stat = Path(f"/proc/{pid}/task/{pid}/stat").read_text()
-    fields = stat.rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> None:
@@ -84,15 +77,15 @@ def main() -> None:
                     return responses
 
                 anyio.run(run)  # warm-up
-                pid, started = server.proc.pid, time.perf_counter()
-                loop_cpu, server_cpu = main_thread_cpu_s(pid), server.cpu_s()
+                started = time.perf_counter()
+                loop_cpu, server_cpu = server.main_thread_cpu_s(), server.cpu_s()
                 for _ in range(2):
                     check_responses(anyio.run(run), "http")
                 n, wall = 2 * len(bodies), time.perf_counter() - started
                 rows[name].append(
                     (
                         n / wall,
-                        1000 * (main_thread_cpu_s(pid) - loop_cpu) / n,
+                        1000 * (server.main_thread_cpu_s() - loop_cpu) / n,
                         1000 * (server.cpu_s() - server_cpu) / n,
                     )
                 )

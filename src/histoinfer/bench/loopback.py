@@ -131,11 +131,11 @@ class ServerProcess:
 
     def cpu_s(self) -> float:
         """CPU seconds the server process has used (user + system), from /proc; 0 if unknown."""
-        try:
-            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            return 0.0
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return _proc_cpu_s(f"/proc/{self.proc.pid}/stat")
+
+    def main_thread_cpu_s(self) -> float:
+        """The same for the server's main thread alone (its event loop)."""
+        return _proc_cpu_s(f"/proc/{self.proc.pid}/task/{self.proc.pid}/stat")
 
     def metrics(self) -> dict[str, float]:
         import httpx
@@ -169,6 +169,15 @@ class ServerProcess:
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)")
+
+
+def _proc_cpu_s(stat: str) -> float:
+    """User + system CPU seconds from a /proc ``stat`` file; 0 if unknown (not Linux, gone)."""
+    try:
+        fields = Path(stat).read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def parse_metrics(text: str) -> dict[str, float]:

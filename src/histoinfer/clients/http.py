@@ -154,9 +154,7 @@ class HttpClient(ClosingContext):
         else:
             shards = [options]
         # With a transport or mounts of the caller's, those decide the TLS context.
-        self._options = _ClientOptions(
-            shards, share_tls=not {"transport", "mounts"} & options.keys()
-        )
+        self._options = _ClientOptions(shards, share_tls=_TRANSPORTS.isdisjoint(options))
         self._sync_slots = (
             None if max_in_flight is None else threading.BoundedSemaphore(max_in_flight)
         )
@@ -224,8 +222,7 @@ class HttpClient(ClosingContext):
         sync, pools = self._shut()
         for pool in pools:
             pool.request_close()
-        for client in sync.close() if sync is not None else ():
-            client.close()
+        _close_sync(sync)
 
     async def aclose(self) -> None:
         """:meth:`close` for async code; cancellable (the calls in flight then keep their pools
@@ -238,8 +235,7 @@ class HttpClient(ClosingContext):
             pool.request_close()
             if pool.key == here:
                 await pool.aclose_clients()  # this loop's pool is closed when we return
-        for client in sync.close() if sync is not None else ():
-            client.close()
+        _close_sync(sync)
 
     def __repr__(self) -> str:
         closed = " closed" if self.closed else ""
@@ -375,8 +371,10 @@ class HttpClient(ClosingContext):
 #: this. 4 clients of 16 cost the client a quarter of the CPU a request of one of 64; 16 of 4
 #: cost 0.61 of 4 of 16 (docs/benchmarks-history.md, "Session 13").
 _SHARD_CONNECTIONS = 4
+#: ``httpx_options`` that give the caller's own transports (which decide their TLS context).
+_TRANSPORTS = frozenset({"transport", "mounts"})
 #: ``httpx_options`` with which the caller fixes the transport or the limits: no sharding.
-_SHARDS_FIXED_BY = frozenset({"transport", "mounts", "limits"})
+_SHARDS_FIXED_BY = _TRANSPORTS | {"limits"}
 
 
 def _limits(connections: int) -> httpx.Limits:
@@ -628,6 +626,11 @@ class _ClientOptions:
 
 
 _C = TypeVar("_C", httpx.Client, httpx.AsyncClient)
+
+
+def _close_sync(shards: _Shards[httpx.Client] | None) -> None:
+    for client in shards.close() if shards is not None else ():
+        client.close()
 
 
 class _Shards(Generic[_C]):
