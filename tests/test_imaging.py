@@ -9,6 +9,7 @@ import re
 import sys
 import threading
 import warnings
+import zlib
 from typing import Any
 
 import numpy as np
@@ -20,7 +21,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from histoinfer.errors import InvalidRequestError
-from histoinfer.models import png
+from histoinfer.models import imaging, png
 from histoinfer.models.imaging import decode_tile
 
 WHERE = "for patch_idx=4 (slide 's', x=0, y=0)"
@@ -344,7 +345,83 @@ def test_a_png_of_many_empty_chunks_is_read_in_bounded_time() -> None:
     padded = raw[:33] + empty_chunk * 100_000 + raw[33:]
     header = png.read_header(padded)
     assert header is not None and header.transparency  # unknown: assumed present
-    assert png.read_header(raw) == dataclasses.replace(header, transparency=False)
+    assert png.read_header(raw) == dataclasses.replace(header, transparency=False, palette=False)
+
+
+def _chunk(kind: bytes, data: bytes) -> bytes:
+    return len(data).to_bytes(4, "big") + kind + data + zlib.crc32(kind + data).to_bytes(4, "big")
+
+
+def _palette_png(size: int, seed: int, plte: bool, trns: bytes | None) -> bytes:
+    """A palette PNG written by hand: with or without its PLTE chunk, and a tRNS chunk."""
+    indices = np.random.default_rng(seed).integers(0, 4, (size, size), dtype=np.uint8)
+    rows = b"".join(b"\x00" + row.tobytes() for row in indices)
+    ihdr = size.to_bytes(4, "big") * 2 + bytes([8, png.PALETTE, 0, 0, 0])
+    chunks = [_chunk(b"IHDR", ihdr)]
+    if plte:
+        chunks.append(_chunk(b"PLTE", bytes([200, 10, 10, 10, 200, 10, 10, 10, 200, 90, 90, 90])))
+    if trns is not None:
+        chunks.append(_chunk(b"tRNS", trns))
+    chunks += [_chunk(b"IDAT", zlib.compress(rows)), _chunk(b"IEND", b"")]
+    return png.SIGNATURE + b"".join(chunks)
+
+
+@pytest.mark.parametrize("decoder", FAST_DECODERS, ids=lambda d: getattr(d, "name", "none"))
+@pytest.mark.parametrize("trns", [None, b"\xff\x80", b"\xff\x00"], ids=["none", "partial", "zero"])
+def test_a_palette_png_without_its_palette_is_refused(
+    monkeypatch: pytest.MonkeyPatch, decoder: png.FastDecoder | None, trns: bytes | None
+) -> None:
+    """Pillow makes up a palette for it (a wrong answer), or fails an internal assert."""
+    only_decoder(monkeypatch, decoder)
+    with pytest.raises(InvalidRequestError, match="palette PNG without its PLTE chunk") as info:
+        decode(_palette_png(32, 1, plte=False, trns=trns))
+    assert WHERE in str(info.value)
+
+
+def test_a_palette_png_with_transparency_decodes_without_a_warning() -> None:
+    raw = _palette_png(32, 2, plte=True, trns=bytes([255, 128, 200, 0]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # Pillow warns converting it straight to RGB
+        tile = decode(raw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert np.array_equal(tile.numpy(), pixels(raw))  # the same pixels as that conversion
+
+
+def test_an_image_pillow_fails_to_convert_is_an_invalid_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def failing(self: Image.Image, *args: Any, **kwargs: Any) -> Image.Image:
+        raise AssertionError  # as Pillow's own asserts on an inconsistent image
+
+    monkeypatch.setattr(png, "DECODERS", [])
+    monkeypatch.setattr(Image.Image, "convert", failing)
+    with pytest.raises(InvalidRequestError, match=r"cannot be converted to RGB \(AssertionError"):
+        decode(tile_bytes(3, size=32, mode="L"))
+
+
+def _progressive_jpeg(extra_scans: int) -> bytes:
+    """A progressive JPEG, with its last scan repeated ``extra_scans`` times (each repeat is a
+    valid scan, and a pass over the whole image)."""
+    raw = encode_jpeg(Image.new("L", (64, 64), 128), progressive=True)
+    last = raw.rindex(b"\xff\xda")
+    end = raw.rindex(b"\xff\xd9")
+    return raw[:end] + raw[last:end] * extra_scans + raw[end:]
+
+
+def encode_jpeg(image: Image.Image, **options: Any) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="JPEG", **options)
+    return buf.getvalue()
+
+
+def test_a_jpeg_of_too_many_scans_is_refused_before_decoding() -> None:
+    # a standard progressive JPEG, and one within the limit
+    assert decode(_progressive_jpeg(0), size=64, tile=64).shape == (3, 64, 64)
+    assert decode(_progressive_jpeg(50), size=64, tile=64).shape == (3, 64, 64)
+    bomb = _progressive_jpeg(imaging.MAX_JPEG_SCANS)
+    with pytest.raises(InvalidRequestError, match=r"a JPEG of \d+ scans, over the limit of 100"):
+        decode(bomb, size=64)
 
 
 @pytest.mark.parametrize("mode", ["RGB", "I;16"])  # a fast decoder's PNG, and one only Pillow reads

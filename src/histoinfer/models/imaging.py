@@ -25,6 +25,11 @@ from . import png
 __all__ = ["ACCEPTED_FORMATS", "decode_tile"]
 
 ACCEPTED_FORMATS = frozenset({"PNG", "JPEG", "TIFF"})
+#: Most scans a JPEG stream may have, per stream (a TIFF's JPEG-compressed strips or tiles are
+#: one stream each). Each scan is a pass over the whole image: a small progressive JPEG that
+#: repeats a cheap scan thousands of times costs seconds to decode within every size limit (a
+#: 4096 x 4096 image: ~2 ms a scan). Encoders write 1 (baseline) to ~10 (progressive).
+MAX_JPEG_SCANS = 100
 # Pixel modes that convert to RGB without losing meaning (16-bit and float modes would clip).
 _CONVERTIBLE_MODES = frozenset({"RGB", "RGBA", "RGBX", "L", "LA", "P", "PA", "CMYK", "YCbCr", "1"})
 
@@ -123,6 +128,22 @@ def _to_tensor(pixels: torch.Tensor, tile_size: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(hwc.transpose(2, 0, 1)))
 
 
+def _too_many_scans(image: Image.Image, raw: bytes) -> int | None:
+    """The number of JPEG scans in ``raw`` if over :data:`MAX_JPEG_SCANS` per stream, else None.
+
+    An SOS marker's two bytes cannot occur inside entropy-coded data (a 0xFF there is followed
+    by 0x00 or a restart marker), so counting them in the bytes counts scans (and a thumbnail's
+    in metadata: a handful), at C speed and before any pixel is decoded."""
+    if image.format == "JPEG":
+        streams = 1
+    elif image.format == "TIFF" and image.info.get("compression") in ("jpeg", "tiff_jpeg"):
+        streams = max(1, len(image.tile))
+    else:
+        return None
+    scans = raw.count(b"\xff\xda")
+    return scans if scans > MAX_JPEG_SCANS * streams else None
+
+
 def _resized(rgb: Image.Image, tile_size: int, interpolation: str) -> torch.Tensor:
     """An RGB image as a tile, resized to ``tile_size`` with the model's interpolation."""
     if rgb.size != (tile_size, tile_size):
@@ -172,6 +193,9 @@ def decode_tile(
     if header is not None:
         # From the header, for any PNG: a bomb costs nothing, and Pillow never sees one.
         check_size(header.width, header.height)
+        if header.color_type == png.PALETTE and not header.palette:
+            # Pillow would make up a palette, and the tile would be a wrong answer.
+            raise invalid("a palette PNG without its PLTE chunk (the palette is missing)")
         fast = png.choose(header)
         try:
             array = fast.decode(raw) if fast is not None else None
@@ -197,11 +221,32 @@ def decode_tile(
         check_size(image.width, image.height)
         if image.mode not in _CONVERTIBLE_MODES:
             raise invalid(f"pixel mode {image.mode!r} is not supported (use 8-bit RGB)")
+        scans = _too_many_scans(image, raw)
+        if scans is not None:
+            raise invalid(
+                f"a JPEG of {scans} scans, over the limit of {MAX_JPEG_SCANS} a stream "
+                "(re-encode it as baseline or standard progressive)"
+            )
         try:
             image.load()
         except Exception as exc:
             raise invalid(
                 f"image data is corrupt or truncated ({type(exc).__name__}: {exc})"
             ) from None
-        rgb = image if image.mode == "RGB" else image.convert("RGB")
-        return _resized(rgb, tile_size, interpolation)
+        try:
+            return _resized(_rgb(image), tile_size, interpolation)
+        except Exception as exc:  # Pillow's own checks (asserts) on an inconsistent image
+            raise invalid(
+                f"image cannot be converted to RGB ({type(exc).__name__}: {exc})"
+            ) from None
+
+
+def _rgb(image: Image.Image) -> Image.Image:
+    """``image`` as RGB, alpha and transparency dropped. A palette image with transparency
+    goes through RGBA: converted straight to RGB, Pillow warns on every such image ("should be
+    converted to RGBA"), which would fill a server's log (the pixels are the same)."""
+    if image.mode == "RGB":
+        return image
+    if image.mode == "P" and "transparency" in image.info:
+        image = image.convert("RGBA")
+    return image.convert("RGB")

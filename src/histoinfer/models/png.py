@@ -37,7 +37,7 @@ import numpy as np
 __all__ = ["DECODERS", "FastDecoder", "PngHeader", "available_decoders", "choose", "read_header"]
 
 SIGNATURE = b"\x89PNG\r\n\x1a\n"
-_GRAY, _RGB, _PALETTE, _RGBA = 0, 2, 3, 6
+_GRAY, _RGB, PALETTE, _RGBA = 0, 2, 3, 6
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +50,8 @@ class PngHeader:
     color_type: int
     transparency: bool
     interlaced: bool = False
+    #: whether a PLTE chunk may be present before IDAT (a palette image without one is invalid)
+    palette: bool = True
 
 
 def read_header(raw: bytes) -> PngHeader | None:
@@ -57,28 +59,32 @@ def read_header(raw: bytes) -> PngHeader | None:
     if len(raw) < 33 or raw[:8] != SIGNATURE or raw[12:16] != b"IHDR":
         return None
     width, height, depth, color_type, _, _, interlace = struct.unpack(">IIBBBBB", raw[16:29])
-    return PngHeader(width, height, depth, color_type, _has_trns(raw), interlace != 0)
+    transparency, palette = _chunks_before_idat(raw)
+    return PngHeader(width, height, depth, color_type, transparency, interlace != 0, palette)
 
 
 #: chunks read before the first IDAT at most; a PNG with more may have a tRNS among them
 _MAX_CHUNKS_BEFORE_IDAT = 64
 
 
-def _has_trns(raw: bytes) -> bool:
-    """Whether a tRNS chunk (it must come before the first IDAT) may be present. Walking the
-    chunk headers costs a few µs; it stops after a bounded number of chunks, so a body made of
-    millions of empty chunks costs nothing either, and is then assumed to have one."""
-    position = 8
+def _chunks_before_idat(raw: bytes) -> tuple[bool, bool]:
+    """Whether a tRNS and a PLTE chunk (both must come before the first IDAT) may be present.
+    Walking the chunk headers costs a few µs; it stops after a bounded number of chunks, so a
+    body made of millions of empty chunks costs nothing either, and is then assumed to have
+    both."""
+    position, transparency, palette = 8, False, False
     for _ in range(_MAX_CHUNKS_BEFORE_IDAT):
         if position + 8 > len(raw):
-            return False  # truncated before any pixel data: the decoders will refuse it
+            break  # truncated before any pixel data: the decoders will refuse it
         length, kind = struct.unpack(">I4s", raw[position : position + 8])
-        if kind == b"tRNS":
-            return True
+        transparency = transparency or kind == b"tRNS"
+        palette = palette or kind == b"PLTE"
         if kind in (b"IDAT", b"IEND"):
-            return False
+            break
         position += 12 + length
-    return True
+    else:
+        return True, True
+    return transparency, palette
 
 
 @dataclass(frozen=True)
@@ -241,7 +247,7 @@ def _wuffs() -> tuple[FastDecoder, Callable[[bytes], np.ndarray]] | None:
         "Wuffs (pywuffs)",
         # Opaque 8-bit images only: with alpha or tRNS, Wuffs composites where Pillow drops.
         takes=lambda h: (
-            h.depth == 8 and h.color_type in (_GRAY, _RGB, _PALETTE) and not h.transparency
+            h.depth == 8 and h.color_type in (_GRAY, _RGB, PALETTE) and not h.transparency
         ),
         decode=decode,
     )
