@@ -419,6 +419,12 @@ def test_a_jpeg_of_too_many_scans_is_refused_before_decoding() -> None:
     # a standard progressive JPEG, and one within the limit
     assert decode(_progressive_jpeg(0), size=64, tile=64).shape == (3, 64, 64)
     assert decode(_progressive_jpeg(50), size=64, tile=64).shape == (3, 64, 64)
+    # A JPEG-compressed TIFF has a stream per strip: 128 strips of 8 rows, 128 scans in all.
+    rgb = np.random.default_rng(0).integers(0, 256, (1024, 64, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, format="TIFF", compression="jpeg", tiffinfo={278: 8})
+    assert buf.getvalue().count(b"\xff\xda") > imaging.MAX_JPEG_SCANS
+    assert decode(buf.getvalue(), width=64, height=1024).shape == (3, 32, 32)
     bomb = _progressive_jpeg(imaging.MAX_JPEG_SCANS)
     with pytest.raises(InvalidRequestError, match=r"a JPEG of \d+ scans, over the limit of 100"):
         decode(bomb, size=64)

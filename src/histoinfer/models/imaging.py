@@ -136,8 +136,13 @@ def _too_many_scans(image: Image.Image, raw: bytes) -> int | None:
     in metadata: a handful), at C speed and before any pixel is decoded."""
     if image.format == "JPEG":
         streams = 1
-    elif image.format == "TIFF" and image.info.get("compression") in ("jpeg", "tiff_jpeg"):
-        streams = max(1, len(image.tile))
+    elif isinstance(image, TiffImagePlugin.TiffImageFile) and image.info.get("compression") in (
+        "jpeg",
+        "tiff_jpeg",
+    ):
+        # A stream per strip or tile (TileOffsets, else StripOffsets).
+        offsets = image.tag_v2.get(324) or image.tag_v2.get(273) or ()
+        streams = max(1, len(offsets) if isinstance(offsets, tuple) else 1)
     else:
         return None
     scans = raw.count(b"\xff\xda")
