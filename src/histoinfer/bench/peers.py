@@ -43,7 +43,7 @@ class Pipeline:
         request = parse_request(body)
         where = f"for {request.where()}"
         self.model.check_request(request, self.mode, where)
-        return request, self.model.prepare_sample(request, where)
+        return request, self.model.prepared_tile(request, where)
 
     def forward(self, tiles: Sequence[torch.Tensor]) -> list[SampleOutput]:
         started = time.perf_counter()
@@ -57,7 +57,7 @@ class Pipeline:
         return outputs
 
     def finish(self, request: ModelRequest, output: SampleOutput) -> str:
-        return self.model.postprocess(request, output, self.mode).model_dump_json()
+        return self.model.response_json(request, output, self.mode)
 
     def counters(self) -> tuple[int, int, float]:
         with self._lock:

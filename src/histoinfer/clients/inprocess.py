@@ -88,7 +88,8 @@ T = TypeVar("T")
 
 Prepared = tuple[ModelRequest, torch.Tensor]
 #: what the decode stage gives back for one body: the prepared tile, or why it was refused
-Decoded = Prepared | InvalidRequestError
+#: (an invalid request, or a model's prepare_sample failing: ServerModel.prepared_tile)
+Decoded = Prepared | InferenceError
 
 # Most bodies decoded in one worker-thread hop. A hop costs ~140 µs of CPU on asyncio and
 # ~165 µs on trio (wake-ups and handoffs, measured: docs/benchmarks-history.md), a seventh
@@ -168,20 +169,20 @@ def _forward_jobs(
     mode: Mode,
     share: CoreShare | None = None,
     loaded: Callable[[], bool] | None = None,
-) -> list[SampleOutput | InvalidRequestError | _TooBigHere]:
+) -> list[SampleOutput | InferenceError | _TooBigHere]:
     """The forward passes' batch function: decode the jobs that came as bodies (a bad one is
     refused alone, and so is one whose image is too big to decode here: its refusal is its
     result, which the scheduler raises to its caller), then :func:`_forward` every tile.
 
     A decoded job keeps its tile: when a failing batch is bisected, nothing decodes twice.
     """
-    refusals: dict[int, InvalidRequestError | _TooBigHere] = {}
+    refusals: dict[int, InferenceError | _TooBigHere] = {}
     tiles: list[torch.Tensor] = []
     for i, job in enumerate(jobs):
         if job.tile is None:
             assert job.body is not None
             decoded = _prepare_lone(model, job.body, mode)
-            if isinstance(decoded, (InvalidRequestError, _TooBigHere)):
+            if isinstance(decoded, (InferenceError, _TooBigHere)):
                 refusals[i] = decoded
                 continue
             job.request, job.tile, job.body = *decoded, None
@@ -221,7 +222,7 @@ def _prepare(
 ) -> Prepared:
     """JSON -> validated request -> uint8 tile tensor. Thread-safe, CPU only."""
     request, where = _parse(model, body, mode, position)
-    return request, model.prepare_sample(request, where)
+    return request, model.prepared_tile(request, where)
 
 
 def _prepare_lone(model: ServerModel, body: str | bytes, mode: Mode) -> Decoded | _TooBigHere:
@@ -232,8 +233,8 @@ def _prepare_lone(model: ServerModel, body: str | bytes, mode: Mode) -> Decoded 
         request, where = _parse(model, body, mode)
         if request.width * request.height > _LONE_TILES * model.assets.tile_size**2:
             return _TooBigHere()
-        return request, model.prepare_sample(request, where)
-    except InvalidRequestError as exc:
+        return request, model.prepared_tile(request, where)
+    except InferenceError as exc:
         return exc
 
 
@@ -243,7 +244,7 @@ def _prepare_or_refusal(
     """:func:`_prepare`, with a bad body's error returned instead of raised."""
     try:
         return _prepare(model, body, mode, position)
-    except InvalidRequestError as exc:
+    except InferenceError as exc:
         return exc
 
 
@@ -577,7 +578,7 @@ class InProcessClient(ClosingContext):
     # -- the pipeline ------------------------------------------------------------------------
 
     def _finish(self, request: ModelRequest, output: SampleOutput, mode: Mode) -> str:
-        return self.server_model.postprocess(request, output, mode).model_dump_json()
+        return self.server_model.response_json(request, output, mode)
 
     async def infer_async(self, body: str | bytes, mode: Mode) -> str:
         """Run one request body in ``mode`` (what the server routes call); see ``predict_async``."""
@@ -656,7 +657,7 @@ class InProcessClient(ClosingContext):
             )
         if waited.cancelled_caught:
             raise self._deadline_exceeded(mode, "it was still waiting to be decoded")
-        if isinstance(decoded, InvalidRequestError):
+        if isinstance(decoded, InferenceError):
             raise decoded
         return await self._forward_unbatched(_Job(*decoded), mode, limiter, start_by)
 
@@ -683,7 +684,7 @@ class InProcessClient(ClosingContext):
                 raise self._deadline_exceeded(mode, "the device was busy with other work") from None
             self._stats[mode].record_error(type(exc).__name__)
             raise _execution_error(job.request, exc) from exc
-        if isinstance(result, (InvalidRequestError, _TooBigHere)):
+        if isinstance(result, (InferenceError, _TooBigHere)):
             raise result  # a lone body refused: nothing ran
         self._stats[mode].record_batch(1, [0.0], time.perf_counter() - started)
         return job, result
@@ -714,21 +715,14 @@ class InProcessClient(ClosingContext):
                 )
             self.server_model.check_mode(mode)
             prepared: list[Prepared] = []
-            problems: list[InvalidRequestError] = []
+            problems: list[InferenceError] = []
             for decoded in self._decode_batch(bodies, mode):
-                if isinstance(decoded, InvalidRequestError):
+                if isinstance(decoded, InferenceError):
                     problems.append(decoded)
                 else:
                     prepared.append(decoded)
             if problems:
-                # The class a single request would get when every problem is of that kind
-                # (all bulk_rna: UnsupportedModeError, 400 over HTTP), else the general one.
-                kinds = {type(p) for p in problems}
-                error = kinds.pop() if len(kinds) == 1 else InvalidRequestError
-                raise error(
-                    f"{len(problems)} of {len(bodies)} requests are invalid, nothing was "
-                    f"computed: " + "; ".join(map(str, problems))
-                )
+                raise _batch_refusal(problems, len(bodies))
             responses: list[str] = []
             for start in range(0, len(prepared), self.max_batch_size):
                 chunk = prepared[start : start + self.max_batch_size]
@@ -906,6 +900,27 @@ def _check_seconds(name: str, value: object, zero_ok: bool = False, none_ok: boo
 
 def _remaining(deadline: float | None) -> float | None:
     return None if deadline is None else deadline - time.perf_counter()
+
+
+#: Problems a refused ``*_batch`` call names one by one; the rest are counted. A body of a
+#: million tiny invalid elements must not answer with a message of tens of megabytes.
+_NAMED_PROBLEMS = 20
+
+
+def _batch_refusal(problems: list[InferenceError], total: int) -> InferenceError:
+    """Why a ``*_batch`` call computed nothing: a model's failure to prepare a request as it
+    is (ServerModel.prepared_tile), else the invalid requests, the first ones by name."""
+    failed = next((p for p in problems if not isinstance(p, InvalidRequestError)), None)
+    if failed is not None:
+        return failed
+    # The class a single request would get when every problem is of that kind (all bulk_rna:
+    # UnsupportedModeError, 400 over HTTP), else the general one.
+    kinds = {type(p) for p in problems}
+    error = kinds.pop() if len(kinds) == 1 else InvalidRequestError
+    named = "; ".join(map(str, problems[:_NAMED_PROBLEMS]))
+    if len(problems) > _NAMED_PROBLEMS:
+        named += f"; and {len(problems) - _NAMED_PROBLEMS} more"
+    return error(f"{len(problems)} of {total} requests are invalid, nothing was computed: {named}")
 
 
 def _execution_error(request: ModelRequest | None, exc: BaseException) -> ModelExecutionError:

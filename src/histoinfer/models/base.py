@@ -8,6 +8,7 @@ one, on the device), and turns one sample's output back into a :class:`ModelResp
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -16,7 +17,12 @@ from typing import ClassVar, Self
 
 import torch
 
-from ..errors import InvalidRequestError, ModelExecutionError, UnsupportedModeError
+from ..errors import (
+    InferenceError,
+    InvalidRequestError,
+    ModelExecutionError,
+    UnsupportedModeError,
+)
 from ..schema import MODES, Mode, ModelMetadata, ModelRequest, ModelResponse
 from .assets import ModelAssets, load_assets
 from .buffers import InputBuffer
@@ -132,6 +138,14 @@ class ServerModel:
         self._shift = (-mean / std).to(self.device)
         self._input_buffer = InputBuffer()
         self._metadata = self._build_metadata()
+        # SPEC's signature is prepare_sample(request); the built-in one also takes where the
+        # request sits in its batch, for its error messages (prepared_tile).
+        prepare = type(self).prepare_sample
+        self._own_prepare = prepare is ServerModel.prepare_sample
+        parameters = inspect.signature(self.prepare_sample).parameters.values()
+        self._prepare_takes_where = any(
+            p.name == "where" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters
+        )
         # On the device's thread, where the clients run every forward pass: run here, the probe
         # would leave this thread an OpenMP team for good (models/device_thread.py).
         device_thread(self.device).call(self._check_outputs)
@@ -194,6 +208,58 @@ class ServerModel:
             max_image_pixels=self.max_image_pixels,
             where=where if where is not None else f"for {request.where()}",
         )
+
+    def prepared_tile(self, request: ModelRequest, where: str) -> torch.Tensor:
+        """``prepare_sample`` as the clients call it, ``where`` naming the request in errors.
+
+        A subclass's ``prepare_sample`` gets ``where`` only if it takes it. What it raises other
+        than an :class:`InferenceError`, or a tile that is not ``uint8 [3, T, T]`` on the CPU
+        (normalization belongs to the batch: :meth:`forward_tiles`), fails its own request
+        alone with a :class:`ModelExecutionError`, the same on every path."""
+        if self._own_prepare:
+            return self.prepare_sample(request, where)
+        name = self.assets.name
+        try:
+            if self._prepare_takes_where:
+                tile = self.prepare_sample(request, where=where)
+            else:
+                tile = self.prepare_sample(request)
+        except InferenceError:
+            raise
+        except Exception as exc:
+            raise ModelExecutionError(
+                f"model {name!r}: prepare_sample failed {where}: {exc!r}"
+            ) from exc
+        size = self.assets.tile_size
+        if not (
+            isinstance(tile, torch.Tensor)
+            and tile.dtype == torch.uint8
+            and tuple(tile.shape) == (3, size, size)
+            and tile.device.type == "cpu"
+        ):
+            got = (
+                f"{str(tile.dtype).removeprefix('torch.')} {list(tile.shape)} on {tile.device}"
+                if isinstance(tile, torch.Tensor)
+                else type(tile).__name__
+            )
+            raise ModelExecutionError(
+                f"model {name!r}: prepare_sample must return a uint8 tensor [3, {size}, {size}] "
+                f"on the CPU (the batch is normalized on the device), got {got} {where}"
+            )
+        return tile
+
+    def response_json(self, request: ModelRequest, output: SampleOutput, mode: Mode) -> str:
+        """``postprocess`` as the response's JSON, as the clients call it. What it raises other
+        than an :class:`InferenceError` fails its own request with a
+        :class:`ModelExecutionError`, the same on every path."""
+        try:
+            return self.postprocess(request, output, mode).model_dump_json()
+        except InferenceError:
+            raise
+        except Exception as exc:
+            raise ModelExecutionError(
+                f"model {self.assets.name!r}: postprocess failed for {request.where()}: {exc!r}"
+            ) from exc
 
     def forward_batch(self, batch: torch.Tensor, mode: Mode) -> BatchOutput:
         """Run a stacked ``uint8`` batch ``[B, 3, T, T]`` through the model on its device."""

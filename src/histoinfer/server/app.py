@@ -215,12 +215,12 @@ def warm_up(client: InProcessClient) -> None:
         height=size,
         patch_idx=0,
     )
-    tile = model.prepare_sample(request)
+    tile = model.prepared_tile(request, "for the warm-up tile")
     for mode in meta.modes:
         # On the device's thread, like every pass: run on this worker thread, it would leave it
         # an OpenMP team and slow every later pass (models/device_thread.py).
         output = device_thread(model.device).call(model.forward_tiles, [tile], mode)
-        model.postprocess(request, output.split()[0], mode).model_dump_json()
+        model.response_json(request, output.split()[0], mode)
 
 
 # -- request helpers ---------------------------------------------------------------------

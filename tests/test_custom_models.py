@@ -1,0 +1,125 @@
+"""A user's ``ServerModel`` subclass (SPEC §2.4): its ``prepare_sample`` and ``postprocess`` as
+SPEC writes them, and what they raise, reach every caller alike: dynamic (lone and batched),
+explicit, ``*_batch`` and HTTP."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+import torch
+from helpers import make_body
+
+from histoinfer import HttpClient, InProcessClient
+from histoinfer.errors import ModelExecutionError
+from histoinfer.models.base import SampleOutput, ServerModel
+from histoinfer.models.h1 import H1ServerModel
+from histoinfer.schema import Mode, ModelRequest, ModelResponse
+from histoinfer.server import create_app
+
+pytestmark = pytest.mark.timeout(120)
+
+BAD = 3  # the patch_idx the failing models fail on
+
+
+class SpecSignature(H1ServerModel):
+    """``prepare_sample(self, request)``, exactly as SPEC §2.4 writes it."""
+
+    def prepare_sample(self, request: ModelRequest) -> torch.Tensor:  # type: ignore[override]
+        return super().prepare_sample(request)
+
+
+class FailingPrepare(H1ServerModel):
+    def prepare_sample(self, request: ModelRequest) -> torch.Tensor:  # type: ignore[override]
+        if request.patch_idx == BAD:
+            raise ValueError("stain normalisation failed: blank tile")
+        return super().prepare_sample(request)
+
+
+class FailingPostprocess(H1ServerModel):
+    def postprocess(self, request: ModelRequest, output: SampleOutput, mode: Mode) -> ModelResponse:
+        if request.patch_idx == BAD:
+            raise KeyError("gene panel mapping missing")
+        return super().postprocess(request, output, mode)
+
+
+class NormalizingPrepare(H1ServerModel):
+    """Normalizes in ``prepare_sample``: the batch would normalize it a second time."""
+
+    def prepare_sample(self, request: ModelRequest) -> torch.Tensor:  # type: ignore[override]
+        return super().prepare_sample(request).float() / 255
+
+
+def build(cls: type[ServerModel], tiny_model: ServerModel) -> ServerModel:
+    return cls(tiny_model.checkpoint, tiny_model.assets, "cpu")
+
+
+def test_spec_signature_serves_every_path(tiny_model: ServerModel, reference: Any) -> None:
+    model = build(SpecSignature, tiny_model)
+    bodies = [make_body(i) for i in range(4)]
+    expected = [reference.predict(b) for b in bodies]
+    with InProcessClient(model) as dynamic, InProcessClient(model, dynamic_batching=False) as one:
+        assert [dynamic.predict(b) for b in bodies] == expected
+        assert [one.predict(b) for b in bodies] == expected
+        assert len(dynamic.predict_batch(bodies)) == 4
+
+
+def expected_error(kind: type[ServerModel]) -> str:
+    step = "prepare_sample" if kind is FailingPrepare else "postprocess"
+    return rf"model 'h1': {step} failed (at batch position {BAD} )?for patch_idx={BAD} "
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("kind", [FailingPrepare, FailingPostprocess])
+async def test_a_subclass_failing_fails_its_own_request_alike_everywhere(
+    kind: type[ServerModel], tiny_model: ServerModel
+) -> None:
+    model = build(kind, tiny_model)
+    bodies = [make_body(i) for i in range(6)]
+    message = expected_error(kind)
+    with InProcessClient(model) as dynamic, InProcessClient(model, dynamic_batching=False) as one:
+        for client in (dynamic, one):
+            with pytest.raises(ModelExecutionError, match=message):  # alone
+                await client.predict_async(bodies[BAD])
+        with pytest.raises(ModelExecutionError, match=message):
+            dynamic.predict_batch(bodies)
+
+        outcomes: dict[int, str | BaseException] = {}
+
+        async def call(i: int) -> None:
+            try:
+                outcomes[i] = await dynamic.predict_async(bodies[i])
+            except Exception as exc:
+                outcomes[i] = exc
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                for i in range(len(bodies)):
+                    tg.start_soon(call, i)
+        failed = outcomes.pop(BAD)
+        assert isinstance(failed, ModelExecutionError), failed
+        assert all(isinstance(o, str) for o in outcomes.values()), outcomes  # the others served
+
+        # Over HTTP: the same class and message (a 500 with the detail).
+        app = create_app({"h1": InProcessClient(model)}, warmup=False)
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with HttpClient("http://test", transport=transport, retries=0) as http:
+                with pytest.raises(ModelExecutionError, match=message):
+                    await http.predict_async(bodies[BAD])
+                assert isinstance(await http.predict_async(bodies[0]), str)
+
+
+def test_a_tile_that_is_not_uint8_is_refused_naming_the_contract(
+    tiny_model: ServerModel,
+) -> None:
+    model = build(NormalizingPrepare, tiny_model)
+    message = r"prepare_sample must return a uint8 tensor \[3, 224, 224\].*got float32"
+    with InProcessClient(model) as dynamic, InProcessClient(model, dynamic_batching=False) as one:
+        for client in (dynamic, one):
+            with pytest.raises(ModelExecutionError, match=message):
+                client.predict(make_body(1))
+        with pytest.raises(ModelExecutionError, match=message):
+            dynamic.predict_batch([make_body(0), make_body(1)])
