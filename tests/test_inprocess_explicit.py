@@ -450,6 +450,19 @@ def test_batch_names_every_bad_position_and_computes_nothing(
     assert len(client.embed_batch([b for i, b in enumerate(bodies) if i in (0, 2, 5)])) == 3
 
 
+def test_a_batch_of_many_bad_requests_names_the_first_ones(
+    client: InProcessClient, model: CountingModel
+) -> None:
+    """A body of a million tiny invalid elements must not answer with megabytes of message."""
+    with pytest.raises(InvalidRequestError) as info:
+        client.predict_batch(["1"] * 1000)
+    message = str(info.value)
+    assert message.startswith("1000 of 1000 requests are invalid")
+    assert "batch position 19:" in message and "batch position 20:" not in message
+    assert message.endswith("; and 980 more") and len(message) < 5000
+    assert model.calls == []
+
+
 GOOD = [make_body(i) for i in range(8)]
 QUICK_BAD = [
     lambda i: make_body(i, x=-1),

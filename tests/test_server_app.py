@@ -112,6 +112,51 @@ async def test_body_over_the_limit_is_413(tiny_model):
         assert (await http.post("/api/embed/h1", content=make_body(2))).status_code == 200
 
 
+async def leave_mid_body(app: Any, path: str) -> list[dict[str, Any]]:
+    """POST to ``path`` as a client that disconnects after part of its body; what was sent."""
+    messages = [
+        {"type": "http.request", "body": b'{"image_data": "', "more_body": True},
+        {"type": "http.disconnect"},
+    ]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-length", b"1000"), (b"host", b"test")],
+        "client": ("127.0.0.1", 1),
+        "server": ("test", 80),
+    }
+    await app(scope, receive, send)
+    return sent
+
+
+async def test_a_client_leaving_mid_body_is_no_server_error(tiny_model, caplog):
+    """Counted as 499, not as a 500, and not logged: any client could send thousands."""
+    app = create_app(fresh_client(tiny_model))
+    async with serving(app) as http:
+        with caplog.at_level("WARNING"):
+            for path in ("/api/predict/h1", "/api/predict/h1/batch"):
+                sent = await leave_mid_body(app, path)
+                assert sent[0]["status"] == 499, sent
+        assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
+        metrics = (await http.get("/metrics")).text
+        assert 'status="499"' in metrics and 'status="500"' not in metrics
+
+
 class GatedModel(H1ServerModel):
     """Decoding a tile of slide ``gate`` blocks until the test opens the gate."""
 

@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from ..errors import InferenceError, InvalidRequestError, OverloadedError
@@ -93,6 +94,10 @@ def error_response(exc: InferenceError, retry_after: int) -> Response:
     )
 
 
+#: the status recorded for a request whose client left before sending its body (nginx's)
+CLIENT_CLOSED_REQUEST = 499
+
+
 def install_problem_handlers(app: FastAPI, retry_after: int) -> None:
     """Render every error as problem+json: ours, Starlette's (404, 405) and unexpected ones."""
 
@@ -122,6 +127,13 @@ def install_problem_handlers(app: FastAPI, retry_after: int) -> None:
             retry_after,
         )
 
+    async def client_gone(request: Request, exc: Exception) -> Response:
+        # The client closed its connection before its body arrived: nothing failed here, and
+        # nobody reads the answer. Not logged (anyone could fill the log with them); counted
+        # under nginx's 499, "client closed request", not as a server error.
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    app.add_exception_handler(ClientDisconnect, client_gone)
     app.add_exception_handler(InferenceError, inference_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(RequestValidationError, validation_error)
