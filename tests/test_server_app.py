@@ -288,8 +288,10 @@ async def test_invocations_in_every_mode(tiny_model):
         assert r.status_code == 200 and r.text == client.metadata()
 
         bad_mode = json.dumps(request_dict(0, model_name="h1", mode="classify"))
-        p = assert_problem(await http.post("/invocations", content=bad_mode), 422)
-        assert "mode" in p["detail"]
+        p = assert_problem(
+            await http.post("/invocations", content=bad_mode), 400, "unsupported-mode"
+        )
+        assert "'classify'" in p["detail"] and "prediction_with_embedding" in p["detail"]
         no_model = json.dumps(request_dict(0, mode="prediction"))
         p = assert_problem(await http.post("/invocations", content=no_model), 422)
         assert "model_name" in p["detail"]

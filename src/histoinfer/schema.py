@@ -136,7 +136,8 @@ class InvocationEnvelope(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     model_name: str
-    mode: InvocationMode
+    #: any string here: an unknown mode is a 400 (unsupported mode, SPEC §3.4), not a 422
+    mode: str
 
 
 class InvocationRequest(ModelRequest):

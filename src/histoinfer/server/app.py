@@ -17,7 +17,7 @@ import io
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import anyio
 import anyio.to_thread
@@ -38,6 +38,7 @@ from ..schema import (
     INVOCATION_MODES,
     MODES,
     InvocationEnvelope,
+    InvocationMode,
     InvocationRequest,
     Mode,
     ModelMetadata,
@@ -475,6 +476,11 @@ def create_app(
         ``embedding``, ``prediction_with_embedding`` or ``metadata``)."""
         raw = await read_body(request, state.max_body_bytes)
         envelope: InvocationEnvelope = parse_model(InvocationEnvelope, raw, "invocation")
+        if envelope.mode != "metadata" and envelope.mode not in INVOCATION_MODES:
+            known = ", ".join(get_args(InvocationMode))
+            raise UnsupportedModeError(
+                f"unknown invocation mode {envelope.mode!r} (modes: {known})"
+            )
         client = state.client(envelope.model_name)
         if envelope.mode == "metadata":
             return _json(client.metadata())
