@@ -5,6 +5,9 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import subprocess
+import sys
+import textwrap
 import warnings
 import zipfile
 from collections.abc import Callable
@@ -278,6 +281,37 @@ def test_registered_subclass_is_built(
     registry.register_model("h1-test")(Custom)
     with pytest.raises(ValueError, match="already registered"):
         registry.register_model("h1-test")(type("Other", (H1ServerModel,), {}))
+
+    # Its definition run again (a notebook cell): the new class replaces the old.
+    @registry.register_model("h1-test")
+    class Custom(H1ServerModel):  # type: ignore[no-redef]
+        pass
+
+    assert registry.model_class("h1-test") is Custom
+
+
+def test_a_builtin_key_taken_is_refused_at_the_decorator() -> None:
+    """Not later, inside every lookup: the built-ins register when first looked up, so this
+    runs in a fresh interpreter, before anything imported them."""
+    script = textwrap.dedent(
+        """
+        from histoinfer import available_models, register_model
+        from histoinfer.models.base import ServerModel
+        try:
+            @register_model("h1")
+            class Mine(ServerModel):
+                pass
+        except ValueError as exc:
+            print("refused:", exc)
+        print(available_models())
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "refused: a model is already registered as 'h1'" in done.stdout
+    assert "'h1'" in done.stdout.splitlines()[-1]
 
 
 # -- AOTInductor ----------------------------------------------------------------------------

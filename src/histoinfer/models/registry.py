@@ -26,12 +26,24 @@ def register_model(key: str) -> Callable[[M], M]:
     """Class decorator: make ``build_server_model(key, ...)`` build this class."""
 
     def decorate(cls: M) -> M:
-        if key in _REGISTRY and _REGISTRY[key] is not cls:
-            raise ValueError(f"a model is already registered as {key!r}: {_REGISTRY[key]!r}")
+        # The built-ins first: a user's class registered under "h1" is refused here, at its
+        # decorator, not later inside every lookup (which imports them).
+        _load_builtins()
+        registered = _REGISTRY.get(key)
+        if registered is not None and not _same_definition(registered, cls):
+            raise ValueError(f"a model is already registered as {key!r}: {registered!r}")
         _REGISTRY[key] = cls
         return cls
 
     return decorate
+
+
+def _same_definition(registered: type[ServerModel], cls: type[ServerModel]) -> bool:
+    """The same class, or a class defined again where it was (a notebook cell run twice, a
+    module reloaded): the new definition replaces the old one."""
+    return registered is cls or (
+        registered.__module__ == cls.__module__ and registered.__qualname__ == cls.__qualname__
+    )
 
 
 def available_models() -> list[str]:
