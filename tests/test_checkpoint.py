@@ -21,7 +21,7 @@ from torch import nn
 
 from histoinfer import InProcessClient, ServerModel, available_models, build_server_model
 from histoinfer.errors import InferenceError, InvalidRequestError
-from histoinfer.models import CheckpointError, load_checkpoint, registry
+from histoinfer.models import CheckpointError, base, load_checkpoint, registry
 from histoinfer.models.base import BatchOutput
 from histoinfer.models.checkpoint import AOTI_INPUT_DTYPE_KEY, input_dtype, sniff_kind
 from histoinfer.models.genes import REFERENCE_GENE_PANEL
@@ -205,6 +205,29 @@ def test_invalid_assets_name_the_file_and_field(
         "invalid",
         fragment,
     )
+
+
+def test_assets_with_only_the_fields_spec_lists_load_as_trained(copy_of_tiny: Path) -> None:
+    """SPEC's model.json has no ``trained``: a user's own checkpoint is taken as trained."""
+    path = copy_of_tiny / "model.json"
+    assets = json.loads(path.read_text())
+    del assets["trained"]
+    path.write_text(json.dumps(assets))
+    assert build_server_model("h1", copy_of_tiny / "model.pt2").metadata().trained is True
+
+
+def test_an_untrained_checkpoint_is_announced_once_a_process(
+    tiny_model: ServerModel, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(base, "_announced", set())
+    trained = tiny_model.assets.model_copy(update={"trained": True})
+    with caplog.at_level("WARNING", logger="histoinfer.untrained"):
+        H1ServerModel(tiny_model.checkpoint, trained)
+        assert not caplog.records
+        for _ in range(2):
+            H1ServerModel(tiny_model.checkpoint, tiny_model.assets)
+    [record] = caplog.records
+    assert "UNTRAINED" in record.getMessage() and str(tiny_model.checkpoint.path) in record.message
 
 
 def test_assets_that_are_not_json(copy_of_tiny: Path) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
+import logging
 import multiprocessing
 import os
 from collections.abc import Callable
@@ -132,6 +133,8 @@ class Isolated:
 
 def _serve(conn: Connection, factory: Factory, args: tuple[Any, ...]) -> None:
     """The child: build the object, then answer calls until told to close."""
+    # The report says the checkpoints are untrained; each child need not say it again.
+    logging.getLogger("histoinfer.untrained").disabled = True
     try:
         obj = resolve(factory)(*args)
     except Unavailable as exc:

@@ -154,6 +154,9 @@ def markdown(report: dict[str, Any]) -> str:
             else ""
         ),
         "",
+        "The reference checkpoints have seeded, untrained weights: the real architecture, file "
+        "format and costs, but outputs that mean nothing biologically.",
+        "",
     ]
     checks: list[dict[str, Any]] = []
     throughput = report.get("throughput")

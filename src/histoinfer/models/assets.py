@@ -32,7 +32,9 @@ class ModelAssets(BaseModel):
     gene_names: list[str]
     embedding_size: int = Field(gt=0)
     accepts_bulk_rna: bool = False
-    trained: bool
+    #: False for seeded, untrained weights (the reference checkpoints write it); a user's own
+    #: model.json may leave it out (SPEC lists the fields without it)
+    trained: bool = True
     description: str = ""
     architecture: dict[str, int | float | str] = Field(default_factory=dict)
 

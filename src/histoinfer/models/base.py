@@ -40,6 +40,10 @@ from .scripted import script_program, scripted_equal
 __all__ = ["BatchOutput", "SampleOutput", "ServerModel", "non_finite_error"]
 
 log = logging.getLogger(__name__)
+#: Where loading an untrained checkpoint is announced, once a process for each (its own name:
+#: a harness that reports it already can silence it alone).
+untrained_log = logging.getLogger("histoinfer.untrained")
+_announced: set[str] = set()
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +142,15 @@ class ServerModel:
         self._shift = (-mean / std).to(self.device)
         self._input_buffer = InputBuffer()
         self._metadata = self._build_metadata()
+        if not assets.trained and checkpoint.sha256 not in _announced:
+            _announced.add(checkpoint.sha256)
+            untrained_log.warning(
+                "%s (model %r, version %s) has seeded, UNTRAINED weights: the real architecture "
+                "and costs, but its outputs are not biology",
+                checkpoint.path,
+                assets.name,
+                assets.version,
+            )
         # SPEC's signature is prepare_sample(request); the built-in one also takes where the
         # request sits in its batch, for its error messages (prepared_tile).
         prepare = type(self).prepare_sample
