@@ -547,3 +547,20 @@ def test_only_the_outputs_a_served_mode_returns_must_be_finite(tiny_checkpoint: 
 
     load = lambda: _Both.from_files(tiny_checkpoint)  # noqa: E731
     raises_naming(tiny_checkpoint, load, "non-finite embedding")
+
+
+class _EmbedOnly(H1ServerModel):
+    """Serves embed only, with a program wrapper that returns no predictions at all."""
+
+    modes = ("embed",)
+
+    def forward_batch(self, batch: torch.Tensor, mode: Mode) -> BatchOutput:
+        return BatchOutput(predictions=None, embedding=super().forward_batch(batch, mode).embedding)
+
+
+def test_a_model_serving_embed_alone_need_not_return_predictions(
+    tiny_checkpoint: Path, reference: InProcessClient
+) -> None:
+    model = _EmbedOnly.from_files(tiny_checkpoint)
+    with InProcessClient(model, dynamic_batching=False) as client:
+        assert client.embed(make_body(0)) == reference.embed(make_body(0))

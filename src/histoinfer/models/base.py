@@ -396,47 +396,47 @@ class ServerModel:
         # for bfloat16 reads a float32 batch's bytes as bfloat16) answers garbage, not an error.
         seeded = torch.Generator().manual_seed(0)
         probe = torch.randint(0, 256, (2, 3, size, size), generator=seeded, dtype=torch.uint8)
-        try:
-            out = self.forward_batch(probe, "predict_with_embedding")
-        except CheckpointError:
-            raise
-        except Exception as exc:
+        # The modes served, and only they: one pass when predict_with_embedding is (it returns
+        # both outputs). A model serving embed alone need not return predictions at all.
+        both: Mode = "predict_with_embedding"
+        modes = [both] if both in self.modes else list(self.modes)
+        for mode in modes:
+            try:
+                out = self.forward_batch(probe, mode)
+            except CheckpointError:
+                raise
+            except Exception as exc:
+                raise CheckpointError(
+                    f"checkpoint {self.checkpoint.path} failed on a [2, 3, {size}, {size}] "
+                    f"probe batch ({mode}): {first_line(exc)}"
+                ) from exc
+            if mode != "embed":
+                self._check_output("predictions", out.predictions, len(self.assets.gene_names))
+            if mode != "predict":
+                self._check_output("embedding", out.embedding, self.assets.embedding_size)
+
+    def _check_output(self, name: str, tensor: torch.Tensor | None, width: int) -> None:
+        """One output of the load-time probe: the shape model.json describes, and finite."""
+        shape = (2, width)
+        if tensor is None or tuple(tensor.shape) != shape:
+            actual = None if tensor is None else tuple(tensor.shape)
             raise CheckpointError(
-                f"checkpoint {self.checkpoint.path} failed on a [2, 3, {size}, {size}] "
-                f"probe batch: {first_line(exc)}"
-            ) from exc
-        expected = {
-            "predictions": (2, len(self.assets.gene_names)),
-            "embedding": (2, self.assets.embedding_size),
-        }
-        got = {"predictions": out.predictions, "embedding": out.embedding}
-        # Only the outputs a served mode returns must be finite (a predict-only model may fill
-        # the embedding slot with anything of the right shape).
-        served = {
-            "predictions": {"predict", "predict_with_embedding"} & set(self.modes),
-            "embedding": {"embed", "predict_with_embedding"} & set(self.modes),
-        }
-        for name, shape in expected.items():
-            tensor = got[name]
-            if tensor is None or tuple(tensor.shape) != shape:
-                actual = None if tensor is None else tuple(tensor.shape)
-                raise CheckpointError(
-                    f"checkpoint {self.checkpoint.path} returns {name} of shape {actual}, but its "
-                    f"assets (model.json) describe {shape}"
-                )
-            if served[name] and not bool(torch.isfinite(tensor).all()):
-                dtype = str(self.checkpoint.input_dtype).removeprefix("torch.")
-                hint = (
-                    ", or a package compiled for another input dtype that does not record it "
-                    "(docs/checkpoints.md, 'Reduced precision')"
-                    if self.checkpoint.kind == "aoti"
-                    else ""
-                )
-                raise CheckpointError(
-                    f"checkpoint {self.checkpoint.path} returns non-finite {name} (NaN or "
-                    f"infinity) for a probe batch of random tiles fed as {dtype}: a broken "
-                    f"program{hint}"
-                )
+                f"checkpoint {self.checkpoint.path} returns {name} of shape {actual}, but its "
+                f"assets (model.json) describe {shape}"
+            )
+        if not bool(torch.isfinite(tensor).all()):
+            dtype = str(self.checkpoint.input_dtype).removeprefix("torch.")
+            hint = (
+                ", or a package compiled for another input dtype that does not record it "
+                "(docs/checkpoints.md, 'Reduced precision')"
+                if self.checkpoint.kind == "aoti"
+                else ""
+            )
+            raise CheckpointError(
+                f"checkpoint {self.checkpoint.path} returns non-finite {name} (NaN or "
+                f"infinity) for a probe batch of random tiles fed as {dtype}: a broken "
+                f"program{hint}"
+            )
 
     def _build_metadata(self) -> ModelMetadata:
         a = self.assets
