@@ -566,12 +566,6 @@ async def test_a_callers_unbounded_limits_are_one_client(counting_server):
         assert len(client._options.shards) == 1
 
 
-def test_max_in_flight_is_checked():
-    for bad in (0, -1, 2.5, True):
-        with pytest.raises(ValueError, match="max_in_flight must be a positive int or None"):
-            HttpClient("http://127.0.0.1:1", max_in_flight=bad)  # type: ignore[arg-type]
-
-
 def test_connections_are_split_into_shards_no_larger_than_the_bound():
     assert http_module._shard_sizes(64) == [4] * 16
     assert http_module._shard_sizes(10) == [4, 3, 3]
@@ -748,3 +742,22 @@ def test_a_model_name_with_a_slash_is_refused(model):
     """The server decodes %2F before routing: "h1/batch" would reach h1's batch route."""
     with pytest.raises(ValueError, match="without '/'"):
         HttpClient("http://127.0.0.1:1", model)
+
+
+def test_a_batch_answer_that_is_not_a_list_of_responses_is_an_inference_error():
+    """A proxy's HTML page, or a JSON object, where the batch's responses should be."""
+    answers = [
+        httpx.Response(200, text="<html>maintenance</html>", headers={"content-type": "text/html"}),
+        httpx.Response(200, json={"output": [1.0]}),
+    ]
+    for answer in answers:
+        transport = httpx.MockTransport(lambda r, answer=answer: answer)
+        with (
+            HttpClient("http://h", transport=transport, retries=0) as client,
+            pytest.raises(InferenceError, match="neither NDJSON nor a JSON list") as info,
+        ):
+            client.predict_batch([make_body(0)])
+        assert type(info.value) is InferenceError
+    transport = httpx.MockTransport(lambda r: httpx.Response(200, json=[{"output": [1.0]}]))
+    with HttpClient("http://h", transport=transport, retries=0) as client:
+        assert client.predict_batch([make_body(0)]) == ['{"output":[1.0]}']

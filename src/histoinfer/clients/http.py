@@ -44,6 +44,7 @@ import sniffio
 
 from ..errors import ClientClosedError, InferenceError, InvalidRequestError, error_for_problem_type
 from ..schema import Mode, locate, parse_request
+from .arguments import check_count, check_seconds
 from .lifecycle import ClosingContext, InFlight, running_loop_here
 
 __all__ = ["BATCH_BODIES_JSON", "BYTES_KEY", "NDJSON", "STR_KEY", "HttpClient"]
@@ -118,17 +119,15 @@ class HttpClient(ClosingContext):
         max_in_flight: int | None = 64,
         **httpx_options: Any,
     ) -> None:
-        if retries < 0:
-            raise ValueError(f"retries must be >= 0, got {retries}")
-        if not model or "/" in model:
+        check_seconds("timeout", timeout)
+        check_count("max_connections", max_connections)
+        check_count("retries", retries, minimum=0)
+        check_seconds("backoff", backoff, zero_ok=True)
+        check_seconds("max_backoff", max_backoff, zero_ok=True)
+        check_count("max_in_flight", max_in_flight, none_ok=True)
+        if not isinstance(model, str) or not model or "/" in model:
             # The server decodes %2F before routing: "h1/batch" would reach the batch route.
             raise ValueError(f"model must be a route name without '/', got {model!r}")
-        if max_in_flight is not None and (
-            not isinstance(max_in_flight, int)
-            or isinstance(max_in_flight, bool)
-            or max_in_flight < 1
-        ):
-            raise ValueError(f"max_in_flight must be a positive int or None, got {max_in_flight!r}")
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.timeout = timeout
@@ -568,7 +567,17 @@ def _split_batch(response: httpx.Response, expected: int) -> list[str]:
         lines = response.content.decode("utf-8").split("\n")
         responses = lines[:-1] if lines and lines[-1] == "" else lines
     else:  # a server that ignores Accept: re-serialize its JSON list, compactly
-        items = json.loads(response.content)
+        try:
+            items = json.loads(response.content)
+        except ValueError:
+            items = None
+        if not isinstance(items, list):
+            kind = response.headers.get("content-type", "no content type")
+            text = response.content[:300].decode("utf-8", "replace")
+            raise InferenceError(
+                f"the server answered HTTP {response.status_code} ({kind}) that is neither "
+                f"NDJSON nor a JSON list of responses: {text}"
+            )
         responses = [json.dumps(i, separators=(",", ":"), ensure_ascii=False) for i in items]
     if len(responses) != expected:
         raise InferenceError(f"the server answered {len(responses)} responses for {expected}")

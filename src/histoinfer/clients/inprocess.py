@@ -32,8 +32,6 @@ the garbage collector would destroy it mid-await ("Task was destroyed but it is 
 from __future__ import annotations
 
 import logging
-import math
-import numbers
 import os
 import threading
 import time
@@ -73,6 +71,7 @@ from ..models.device_thread import device_thread
 from ..models.openmp import thread_count
 from ..models.registry import build_server_model
 from ..schema import MODES, BatchingSettings, Mode, ModelRequest, locate, parse_request
+from .arguments import check_count, check_flag, check_seconds
 from .cores import CoreShare
 from .lifecycle import ClosingContext, InFlight, running_loop_here
 from .portal import PortalThread
@@ -426,14 +425,25 @@ class InProcessClient(ClosingContext):
         name: str | None = None,
     ) -> None:
         # Refused here, naming the argument: accepted, each would fail every call later.
-        _check_count("max_batch_size", max_batch_size)
-        _check_seconds("max_wait_ms", max_wait_ms, zero_ok=True)
-        _check_count("max_queue", max_queue, none_ok=True)
-        _check_count("prepare_threads", prepare_threads, none_ok=True)
-        _check_seconds("request_timeout", request_timeout, none_ok=True)
-        _check_count("batch_decode_threads", batch_decode_threads)
+        check_count("max_batch_size", max_batch_size)
+        check_seconds("max_wait_ms", max_wait_ms, zero_ok=True)
+        check_count("max_queue", max_queue, none_ok=True)
+        check_count("prepare_threads", prepare_threads, none_ok=True)
+        check_seconds("request_timeout", request_timeout, none_ok=True)
+        check_count("batch_decode_threads", batch_decode_threads)
         if overload not in ("wait", "reject"):
             raise ValueError(f"overload must be 'wait' or 'reject', got {overload!r}")
+        check_flag("dynamic_batching", dynamic_batching)
+        if not isinstance(server_model, ServerModel):
+            hint = (
+                ": for a checkpoint file, InProcessClient.from_checkpoint(model, path)"
+                if isinstance(server_model, (str, os.PathLike))
+                else ""
+            )
+            raise TypeError(
+                f"InProcessClient takes a loaded ServerModel, got {type(server_model).__name__}"
+                f"{hint}"
+            )
         self.server_model = server_model
         self.max_batch_size = max_batch_size
         self.max_wait_ms = float(max_wait_ms)
@@ -872,30 +882,6 @@ def _default_prepare_threads(model: ServerModel) -> int:
         threads = torch.get_num_threads()
         return cores if shards.available(model, threads) else max(1, cores - threads)
     return max(2, cores)
-
-
-def _check_count(name: str, value: object, none_ok: bool = False) -> None:
-    """An int >= 1 (not a bool), or None where ``none_ok``."""
-    if value is None and none_ok:
-        return
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        allowed = "an int >= 1" + (" or None" if none_ok else "")
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
-
-
-def _check_seconds(name: str, value: object, zero_ok: bool = False, none_ok: bool = False) -> None:
-    """A finite number > 0 (>= 0 where ``zero_ok``), or None where ``none_ok``."""
-    if value is None and none_ok:
-        return
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Real)
-        or not math.isfinite(value)
-        or value < 0
-        or (value == 0 and not zero_ok)
-    ):
-        allowed = f"a finite number {'>=' if zero_ok else '>'} 0" + (" or None" if none_ok else "")
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
 
 def _remaining(deadline: float | None) -> float | None:

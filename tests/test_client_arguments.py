@@ -1,0 +1,70 @@
+"""Constructor arguments of both clients: a mistake is a ValueError (or TypeError) naming the
+argument at once, not a wait for the whole timeout, nor an error from inside a later call."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from histoinfer import HttpClient, InProcessClient, ServerModel
+
+URL = "http://127.0.0.1:1"  # never contacted: every case fails in the constructor
+
+
+@pytest.mark.parametrize(
+    ("argument", "bad", "allowed"),
+    [
+        *[("max_in_flight", v, "an int >= 1 or None") for v in (0, -1, 2.5, True, "8")],
+        *[("max_connections", v, "an int >= 1") for v in (0, -5, None, 1.5)],
+        *[("retries", v, "an int >= 0") for v in (-1, None, "3", False)],
+        *[("timeout", v, "a finite number > 0") for v in (0, -1, float("inf"), None, "5")],
+        *[("backoff", v, "a finite number >= 0") for v in (-1, float("nan"))],
+        *[("max_backoff", v, "a finite number >= 0") for v in (-0.5, "1")],
+    ],
+)
+def test_http_client_arguments_are_checked(argument: str, bad: Any, allowed: str) -> None:
+    with pytest.raises(ValueError, match=f"^{argument} must be {allowed}, got "):
+        HttpClient(URL, **{argument: bad})
+
+
+def test_http_client_model_must_be_a_route_name() -> None:
+    for bad in ("", "h1/batch", 7):
+        with pytest.raises(ValueError, match="model must be a route name"):
+            HttpClient(URL, model=bad)  # type: ignore[arg-type]
+
+
+def test_good_http_client_arguments_are_kept() -> None:
+    client = HttpClient(URL, timeout=2, retries=0, backoff=0, max_connections=1, max_in_flight=None)
+    assert (client.timeout, client.retries, client.max_in_flight) == (2, 0, None)
+    client.close()
+
+
+@pytest.mark.parametrize(
+    ("argument", "bad", "allowed"),
+    [
+        ("max_batch_size", 0, "an int >= 1"),
+        ("max_wait_ms", -1, "a finite number >= 0"),
+        ("max_queue", 0, "an int >= 1 or None"),
+        ("request_timeout", 0, "a finite number > 0 or None"),
+        ("dynamic_batching", "no", "True or False"),
+        ("dynamic_batching", 0, "True or False"),
+    ],
+)
+def test_inprocess_client_arguments_are_checked(
+    tiny_model: ServerModel, argument: str, bad: Any, allowed: str
+) -> None:
+    with pytest.raises(ValueError, match=f"^{argument} must be {allowed}, got "):
+        InProcessClient(tiny_model, **{argument: bad})
+
+
+@pytest.mark.parametrize("path", ["model.pt2", Path("model.pt2")])
+def test_a_checkpoint_path_points_to_from_checkpoint(path: Any) -> None:
+    with pytest.raises(TypeError, match=r"takes a loaded ServerModel.*from_checkpoint"):
+        InProcessClient(path)
+
+
+def test_another_object_is_named() -> None:
+    with pytest.raises(TypeError, match=r"takes a loaded ServerModel, got dict$"):
+        InProcessClient({})  # type: ignore[arg-type]
