@@ -160,6 +160,37 @@ def test_serve_refuses_a_model_name_that_is_not_a_route(
     assert "without '/'" in capsys.readouterr().err
 
 
+def test_serve_refuses_an_unknown_registry_key_before_binding(
+    tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["serve", "--model", "h1", "--model", "x=h2", "--checkpoint", str(tiny_checkpoint)]
+    code = main([*args, "--checkpoint", str(tiny_checkpoint), "--port", "1"])  # never bound
+    assert_one_line_error(code, capsys.readouterr().err, "--model x=h2", "unknown model 'h2'")
+
+
+@pytest.mark.parametrize("command", ["serve", "bench"])
+def test_a_missing_extra_is_named_even_with_options(
+    command: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Not 'unrecognized arguments': the options are the plugin's, which did not import."""
+    module = "histoinfer.server.cli" if command == "serve" else "histoinfer.bench.cli"
+    monkeypatch.setitem(sys.modules, module, None)  # as if its packages were missing
+    for argv in ([command, "--model", "h1", "--port", "8085"], [command, "--help"], [command]):
+        extra = "server" if command == "serve" else "bench"
+        code, _, err = run(argv, capsys)
+        assert_one_line_error(code, err, f"pip install 'histoinfer[{extra}]'")
+
+
+def test_a_package_missing_at_run_time_is_one_line(
+    tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "hypercorn.config", None)
+    args = ["serve", "--model", "h1", "--checkpoint", str(tiny_checkpoint), "--port", "0"]
+    code = main([*args, "--server", "hypercorn", "--no-warmup"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 1 and "pip install 'histoinfer[server]'" in err and "hypercorn" in err
+
+
 def test_serve_names_each_client_after_its_route(tiny_checkpoint: Path) -> None:
     """One model under two routes: each client's errors and logs say which route."""
     import argparse

@@ -122,11 +122,7 @@ def _add_plugged(
         try:
             plugin = importlib.import_module(module)
         except ImportError as exc:
-            extra = "server" if name == "serve" else "bench"
-            raise CommandError(
-                f"'histoinfer {name}' needs extra packages: pip install 'histoinfer[{extra}]' "
-                f"({exc})"
-            ) from None
+            raise CommandError(_missing(name, exc)) from None
         run_plugin: Callable[[argparse.Namespace], int] = plugin.run
         return run_plugin(args)
 
@@ -150,19 +146,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _configure_plugin(parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
-    """Let a plugged subcommand add its own options (its module is imported only now)."""
+#: the extra that installs what a subcommand imports
+_EXTRAS = {"serve": "server", "bench": "bench", "demo": "demo"}
+
+
+def _configure_plugin(parser: argparse.ArgumentParser, argv: Sequence[str]) -> str | None:
+    """Let a plugged subcommand add its own options (its module is imported only now); what
+    is missing to run it, if its module cannot be imported (its options are unknown then, and
+    argparse would only say they are not recognized)."""
     for name, (module, _) in _PLUGGED.items():
         if name in argv:
             try:
                 plugin = importlib.import_module(module)
-            except ImportError:
-                return  # reported when it runs
+            except ImportError as exc:
+                return _missing(name, exc)
             sub_action = next(
                 a for a in parser._actions if isinstance(a, argparse._SubParsersAction)
             )
             plugin.configure(sub_action.choices[name])
-            return
+            return None
+    return None
+
+
+def _missing(command: str, exc: ImportError) -> str:
+    extra = _EXTRAS.get(command, "dev")
+    return f"'histoinfer {command}' needs extra packages: pip install 'histoinfer[{extra}]' ({exc})"
 
 
 def _version() -> str:
@@ -174,7 +182,10 @@ def _version() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    _configure_plugin(parser, argv)
+    missing = _configure_plugin(parser, argv)
+    if missing is not None:
+        print(f"histoinfer: error: {missing}", file=sys.stderr)
+        return 1
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.debug else logging.WARNING,
@@ -194,6 +205,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Point stdout at devnull so the interpreter's final flush does not complain either.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except ImportError as exc:  # an optional package the command needs (uvicorn, hypercorn)
+        if args.debug:
+            raise
+        print(f"histoinfer: error: {_missing(args.command, exc)}", file=sys.stderr)
+        return 1
     except (CommandError, InferenceError, OSError, ValueError) as exc:
         if args.debug:
             raise

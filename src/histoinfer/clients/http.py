@@ -39,8 +39,12 @@ from urllib.parse import quote
 
 import anyio
 import anyio.lowlevel
-import httpx
 import sniffio
+
+try:
+    import httpx
+except ImportError as exc:  # the one optional package HttpClient needs: say which extra has it
+    raise ImportError(f"HttpClient needs httpx: pip install 'histoinfer[http]' ({exc})") from exc
 
 from ..errors import ClientClosedError, InferenceError, InvalidRequestError, error_for_problem_type
 from ..schema import Mode, locate, parse_request

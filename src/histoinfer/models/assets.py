@@ -63,7 +63,10 @@ class ModelAssets(BaseModel):
 def load_assets(assets_dir: str | Path) -> ModelAssets:
     path = Path(assets_dir).expanduser() / ASSETS_FILE
     if not path.is_file():
-        raise CheckpointError(f"model assets not found: {path} (pass assets_dir=...)")
+        raise CheckpointError(
+            f"model assets not found: {path} (pass assets_dir=..., or --assets DIR on the "
+            "command line)"
+        )
     try:
         data = path.read_bytes()
     except OSError as exc:

@@ -95,7 +95,7 @@ def resolve_device(device: str | torch.device, path: Path) -> torch.device:
         if not torch.cuda.is_available():
             raise CheckpointError(
                 f"cannot load checkpoint {path} on {device!r}: CUDA is not available here "
-                f"(torch {torch.__version__}); use device='cpu'"
+                f"(torch {torch.__version__}); use device='cpu' (--device cpu on the command line)"
             )
         if resolved.index is not None and resolved.index >= torch.cuda.device_count():
             raise CheckpointError(

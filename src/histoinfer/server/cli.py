@@ -24,6 +24,7 @@ import anyio
 
 from ..cli import CommandError
 from ..clients.inprocess import InProcessClient
+from ..models.registry import UnknownModelError, model_class
 from .app import ClientSource, ServerState, create_app
 
 __all__ = ["configure", "run"]
@@ -133,6 +134,10 @@ def model_sources(args: argparse.Namespace) -> dict[str, ClientSource]:
             raise CommandError(f"model name {name!r} given twice; use NAME=KEY to rename one")
         if not checkpoint.is_file():
             raise CommandError(f"checkpoint {checkpoint} for model {name!r} is not a file")
+        try:
+            model_class(key)  # an unknown key is refused before the port is bound
+        except UnknownModelError as exc:
+            raise CommandError(f"--model {spec}: {exc}") from None
         sources[name] = partial(
             InProcessClient.from_checkpoint,
             key,
@@ -164,8 +169,10 @@ def run(args: argparse.Namespace) -> int:
     state: ServerState = app.state.histoinfer
     state.on_loaded = freeze_startup_heap
     names = ", ".join(state.models)
+    # Port 0: the server picks a free one, and its own log line names it.
+    where = f"http://{_authority(args.host, args.port)}" if args.port else "a free port"
     print(
-        f"histoinfer: serving {names} on http://{_authority(args.host, args.port)} "
+        f"histoinfer: serving {names} on {where} "
         f"({args.server}, {args.backend}); ready at /health/ready once loaded",
         file=sys.stderr,
         flush=True,
