@@ -337,7 +337,8 @@ async def test_batch_route_takes_objects_or_bodies(tiny_model):
 
         r = await http.post("/api/predict/h1/batch", content='{"not": "a list"}')
         assert assert_problem(r, 422)["detail"] == (
-            "bodies must be a list of JSON strings, got dict"
+            "invalid batch: the body must be a JSON list of requests (objects, or JSON "
+            "strings), got an object"
         )
         r = await http.post("/api/predict/h1/batch", content="[{")
         assert "not valid JSON" in assert_problem(r, 422)["detail"]

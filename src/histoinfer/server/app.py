@@ -268,15 +268,21 @@ def _batch_bodies(raw: bytes, verbatim: bool) -> Any:
     requests written inline (curl): they are serialized back to JSON text, unless the request
     is ``BATCH_BODIES_JSON``, where every element is exactly what the caller passed (a dict is
     refused as in-process; ``{BYTES_KEY: base64}`` is a bytes body, ``{STR_KEY: base64}`` a str
-    body that is not valid Unicode). A body that is not a list
-    is passed on too: ``infer_batch`` rejects it with the message in-process callers get.
+    body that is not valid Unicode). A ``BATCH_BODIES_JSON`` body that is not a list is passed
+    on: ``infer_batch`` rejects it with the message in-process callers get.
     """
     try:
         items = pydantic_core.from_json(raw, allow_inf_nan=False)
     except ValueError as exc:
         raise InvalidRequestError(f"invalid batch: body is not valid JSON ({exc})") from None
     if not isinstance(items, list):
-        return items
+        if verbatim:
+            return items
+        kind = {dict: "an object", str: "a string"}.get(type(items), type(items).__name__)
+        raise InvalidRequestError(
+            f"invalid batch: the body must be a JSON list of requests (objects, or JSON "
+            f"strings), got {kind}"
+        )
     if verbatim:
         return [_wrapped_body(item) if isinstance(item, dict) else item for item in items]
     return [pydantic_core.to_json(item) if isinstance(item, dict) else item for item in items]
