@@ -278,7 +278,8 @@ def _batch_bodies(raw: bytes, verbatim: bool) -> Any:
     if not isinstance(items, list):
         if verbatim:
             return items
-        kind = {dict: "an object", str: "a string"}.get(type(items), type(items).__name__)
+        names: dict[type, str] = {dict: "an object", str: "a string"}
+        kind = names.get(type(items), type(items).__name__)
         raise InvalidRequestError(
             f"invalid batch: the body must be a JSON list of requests (objects, or JSON "
             f"strings), got {kind}"
