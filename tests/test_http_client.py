@@ -286,6 +286,22 @@ def test_batches_go_through_the_batch_route(server, reference):
     assert all(outputs_close(a, b) for a, b in zip(got, reference.embed_batch(bodies), strict=True))
 
 
+def test_stats_are_the_servers_in_process_stats(tiny_model):
+    """``HttpClient.stats()`` (SPEC §5: every backend) gives what the server's client gives."""
+    served = InProcessClient(tiny_model, max_batch_size=16, overload="reject")
+    with thread_server(create_app({"h1": served}, warmup=False)) as s:
+        with HttpClient(s.base_url) as client:
+            client.predict(make_body(0))
+            client.embed_batch([make_body(i) for i in range(3)])
+            with pytest.raises(InvalidRequestError):
+                client.predict(make_body(1, x=-1))
+            remote = client.stats()
+        local = served.stats()
+        assert remote == local
+        assert remote["predict"].samples == 1 and remote["embed"].samples == 3
+        assert remote["embed"].batch_size_histogram == {3: 1}
+
+
 @pytest.mark.anyio
 async def test_a_closed_client_refuses_every_call(server):
     client = HttpClient(server.base_url)

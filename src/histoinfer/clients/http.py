@@ -46,6 +46,7 @@ try:
 except ImportError as exc:  # the one optional package HttpClient needs: say which extra has it
     raise ImportError(f"HttpClient needs httpx: pip install 'histoinfer[http]' ({exc})") from exc
 
+from ..batching.stats import StatsSnapshot
 from ..errors import ClientClosedError, InferenceError, InvalidRequestError, error_for_problem_type
 from ..schema import Mode, locate, parse_request
 from .arguments import check_count, check_seconds
@@ -182,6 +183,15 @@ class HttpClient(ClosingContext):
         url = self._url(f"/api/metadata/{self._model_path}")
         with self._calls.call():
             return _text(self._send("GET", url, None, {"Accept": _ACCEPT}))
+
+    def stats(self) -> dict[Mode, StatsSnapshot]:
+        """The server's batching statistics for this model, per mode: what
+        ``InProcessClient.stats()`` gives in the server's process (``GET /api/stats/{model}``).
+        """
+        url = self._url(f"/api/stats/{self._model_path}")
+        with self._calls.call():
+            found = json.loads(self._send("GET", url, None, {"Accept": _ACCEPT}).content)
+        return {mode: _snapshot(fields) for mode, fields in found.items()}
 
     # -- Client protocol: async --------------------------------------------------------------
 
@@ -505,6 +515,12 @@ def _error_from(response: httpx.Response) -> InferenceError:
     return error_for_problem_type(None, status)(
         f"HTTP {status} from {response.request.method} {response.request.url}: {text}"
     )
+
+
+def _snapshot(fields: dict[str, Any]) -> StatsSnapshot:
+    """A ``StatsSnapshot`` from its JSON (the histogram's keys, batch sizes, came as strings)."""
+    histogram = {int(size): count for size, count in fields["batch_size_histogram"].items()}
+    return StatsSnapshot(**{**fields, "batch_size_histogram": histogram})
 
 
 def _text(response: httpx.Response) -> str:

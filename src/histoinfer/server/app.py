@@ -405,6 +405,14 @@ def create_app(
         """The model's metadata (SPEC §3.3), with the batching settings in force."""
         return _json(state.client(model).metadata())
 
+    @app.get("/api/stats/{model}", tags=["inference"], responses={**_docs(404, 503)})
+    async def stats(model: str) -> JSONResponse:
+        """The model's batching statistics per mode, as ``InProcessClient.stats()`` gives them
+        in-process (``HttpClient.stats()`` reads them): batches, samples, the batch-size
+        histogram, queue-wait and forward-time percentiles (ms), errors, queue depth."""
+        snapshots = state.client(model).stats()
+        return JSONResponse({mode: snapshot.as_dict() for mode, snapshot in snapshots.items()})
+
     async def infer(request: Request) -> Response:
         """One tile through ``mode`` (predict, embed or predict_with_embedding).
 
