@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from datetime import UTC, datetime
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from urllib.parse import quote
 
 import anyio
@@ -46,11 +46,13 @@ try:
 except ImportError as exc:  # the one optional package HttpClient needs: say which extra has it
     raise ImportError(f"HttpClient needs httpx: pip install 'histoinfer[http]' ({exc})") from exc
 
-from ..batching.stats import StatsSnapshot
 from ..errors import ClientClosedError, InferenceError, InvalidRequestError, error_for_problem_type
 from ..schema import Mode, locate, parse_request
 from .arguments import check_count, check_seconds
 from .lifecycle import ClosingContext, InFlight, running_loop_here
+
+if TYPE_CHECKING:
+    from ..batching.stats import StatsSnapshot
 
 __all__ = ["BATCH_BODIES_JSON", "BYTES_KEY", "NDJSON", "STR_KEY", "HttpClient"]
 
@@ -519,6 +521,8 @@ def _error_from(response: httpx.Response) -> InferenceError:
 
 def _snapshot(fields: dict[str, Any]) -> StatsSnapshot:
     """A ``StatsSnapshot`` from its JSON (the histogram's keys, batch sizes, came as strings)."""
+    from ..batching.stats import StatsSnapshot  # here: importing HttpClient stays light
+
     histogram = {int(size): count for size, count in fields["batch_size_histogram"].items()}
     return StatsSnapshot(**{**fields, "batch_size_histogram": histogram})
 
