@@ -34,11 +34,12 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeGuard, TypeVar
 from urllib.parse import quote
 
 import anyio
 import anyio.lowlevel
+import pydantic_core
 import sniffio
 
 try:
@@ -283,9 +284,9 @@ class HttpClient(ClosingContext):
 
     def _infer_batch(self, bodies: list[str], mode: Mode) -> list[str]:
         with self._calls.call():
-            content = _encode_batch(bodies)
+            content, headers = _encode_batch(bodies)
             url = self._url(f"/api/{mode}/{self._model_path}/batch")
-            response = self._send("POST", url, content, _BATCH_HEADERS)
+            response = self._send("POST", url, content, headers)
             return _split_batch(response, len(bodies))
 
     def _send(
@@ -439,7 +440,11 @@ def _no_slot(timeout: float) -> httpx.PoolTimeout:
 
 
 _JSON_HEADERS = {"Content-Type": "application/json", "Accept": _ACCEPT}
-_BATCH_HEADERS = {"Content-Type": BATCH_BODIES_JSON, "Accept": f"{NDJSON}, {_PROBLEM_JSON}"}
+_BATCH_ACCEPT = f"{NDJSON}, {_PROBLEM_JSON}"
+#: a batch of requests as SPEC §4 writes it, for any server of the wire format
+_JSON_BATCH_HEADERS = {"Content-Type": "application/json", "Accept": _BATCH_ACCEPT}
+#: a batch that needs the bodies exactly as passed (see _encode_batch)
+_VERBATIM_BATCH_HEADERS = {"Content-Type": BATCH_BODIES_JSON, "Accept": _BATCH_ACCEPT}
 
 
 class _Attempt:
@@ -547,12 +552,38 @@ def _encode_body(body: str | bytes) -> bytes:
     )
 
 
-def _encode_batch(bodies: Sequence[object]) -> bytes:
-    """The bodies as a JSON list, each string exactly as given (``BATCH_BODIES_JSON``)."""
+def _encode_batch(bodies: Sequence[object]) -> tuple[bytes, dict[str, str]]:
+    """The request of a batch: its content and headers.
+
+    Bodies that are each a JSON object (the usual batch) go as SPEC §4's JSON list of
+    requests, their text joined as it is, which any server of the wire format takes. Any other
+    batch (a body that is not JSON, not an object, not a str) goes as ``BATCH_BODIES_JSON``,
+    each body exactly as given, so that the server refuses each as ``InProcessClient`` would,
+    naming its position (a JSON list could not even carry a body that is not JSON).
+    """
     if not isinstance(bodies, list):
         raise InvalidRequestError(
             f"bodies must be a list of JSON strings, got {type(bodies).__name__}"
         )
+    objects = [body for body in bodies if _json_object(body)]
+    if len(objects) == len(bodies):
+        joined = b",".join(body.encode("utf-8") for body in objects)
+        return b"[" + joined + b"]", _JSON_BATCH_HEADERS
+    return _encode_verbatim(bodies), _VERBATIM_BATCH_HEADERS
+
+
+def _json_object(body: object) -> TypeGuard[str]:
+    """Is ``body`` a str holding one JSON object, as the server's batch parse reads it?"""
+    if not isinstance(body, str):
+        return False
+    try:
+        return isinstance(pydantic_core.from_json(body, allow_inf_nan=False), dict)
+    except (ValueError, TypeError):  # not JSON, a lone surrogate, a str subclass
+        return False
+
+
+def _encode_verbatim(bodies: list[object]) -> bytes:
+    """The bodies as a JSON list, each string exactly as given (``BATCH_BODIES_JSON``)."""
     items: list[object] = []
     for position, body in enumerate(bodies):
         if isinstance(body, str):
