@@ -822,3 +822,17 @@ def test_a_scheduler_made_outside_a_loop_ends_with_the_loop_it_served(backend: s
     assert exits == [1]
     with pytest.raises(ClientClosedError):
         anyio.run(main, backend=backend)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("first", "second"), [("asyncio", "trio"), ("trio", "asyncio")])
+def test_a_scheduler_whose_loop_ended_says_so(first: str, second: str) -> None:
+    """Not 'the scheduler is closed': nobody closed it. It served one loop, which ended."""
+    scheduler: BatchScheduler[int, int] = BatchScheduler(lambda xs: xs, max_wait_ms=1)
+
+    async def use() -> int:
+        return await scheduler.submit(5)
+
+    assert anyio.run(use, backend=first) == 5
+    with pytest.raises(ClientClosedError, match=r"the event loop it served has ended.*PerLoop"):
+        anyio.run(use, backend=second)

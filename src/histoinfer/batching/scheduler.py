@@ -221,6 +221,8 @@ class BatchScheduler(Generic[T, R]):
         self._admitted = 0  # admitted and not yet released: reserved, queued or running
         self._queued = 0  # submitted, not yet dispatched nor abandoned
         self._closing = False
+        #: why it refuses new items once closing (its loop's end is not a close of the caller's)
+        self._closed_why = "the scheduler is closed"
         self._loop: object | None = None
         self._runner: asyncio.Task[None] | None = None
         self._finished: anyio.Event | None = None
@@ -318,7 +320,7 @@ class BatchScheduler(Generic[T, R]):
 
     async def _admit(self, wait: bool, deadline: float | None) -> None:
         if self._closing:
-            raise ClientClosedError(f"{self.name}: the scheduler is closed")
+            raise ClientClosedError(f"{self.name}: {self._closed_why}")
         await self._admission.acquire(wait, deadline)
         self._admitted += 1
 
@@ -342,7 +344,7 @@ class BatchScheduler(Generic[T, R]):
         try:
             self._send.send_nowait(pending)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            raise ClientClosedError(f"{self.name}: the scheduler is closed") from None
+            raise ClientClosedError(f"{self.name}: {self._closed_why}") from None
         self._queued += 1
         self._count(self.stats.queue_changed, +1)
         try:
@@ -408,7 +410,7 @@ class BatchScheduler(Generic[T, R]):
         if self._loop is token:
             return
         if self._closing:
-            raise ClientClosedError(f"{self.name}: the scheduler is closed")
+            raise ClientClosedError(f"{self.name}: {self._closed_why}")
         if self._loop is not None:
             raise RuntimeError(
                 f"{self.name}: this BatchScheduler belongs to another event loop; "
@@ -459,6 +461,11 @@ class BatchScheduler(Generic[T, R]):
 
     def _shutdown(self) -> None:
         self._wake_finished()
+        if not self._closing:  # nobody closed it: its loop is ending
+            self._closed_why = (
+                "the event loop it served has ended (a BatchScheduler serves one loop; "
+                "histoinfer.batching.PerLoop gives one per loop)"
+            )
         self._closing = True
         self._send.close()
         leftovers: list[_Pending[T, R]] = []
