@@ -89,12 +89,22 @@ def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="the main job on the built-in default: tiles from a real tissue image -> "
         "gene predictions and embeddings (NPZ)",
     )
-    p.add_argument("--out", type=Path, default=Path("histoinfer-demo.npz"), help="NPZ to write")
-    p.add_argument("--size", choices=["tiny", "small"], default="small", help="reference model")
-    p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("histoinfer-demo.npz"),
+        help="NPZ to write (default: histoinfer-demo.npz)",
+    )
+    p.add_argument(
+        "--size",
+        choices=["tiny", "small"],
+        default="small",
+        help="reference model (default: %(default)s)",
+    )
+    p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     p.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
-    p.add_argument("--tile", type=int, default=112, help="tile side in image pixels")
-    p.add_argument("--stride", type=int, default=56, help="step between tiles in pixels")
+    p.add_argument("--tile", type=int, default=112, help="tile side in image pixels (default: 112)")
+    p.add_argument("--stride", type=int, default=56, help="step between tiles (default: 56)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=_cmd_demo)
 

@@ -49,27 +49,27 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     add("--checkpoint", action="append", type=Path, required=True, help="the .pt2, per --model")
     add("--assets", action="append", type=Path, help="assets dir per --model (default: beside it)")
-    add("--device", default="cpu", help="torch device; run one process per GPU")
+    add("--device", default="cpu", help="torch device (default: cpu); one process per GPU")
     add("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     add("--port", type=_port, default=8080, help="port to bind (default: 8080)")
-    add("--server", choices=["uvicorn", "hypercorn"], default="uvicorn")
+    add("--server", choices=["uvicorn", "hypercorn"], default="uvicorn", help="default: uvicorn")
     add("--backend", choices=["asyncio", "trio"], default="asyncio", help="trio: hypercorn only")
-    add("--max-batch-size", type=_count, default=64, help="most tiles per forward pass")
-    add("--max-wait-ms", type=_at_least_zero, default=5.0, help="longest a tile waits for a batch")
-    add("--max-queue", type=_count, default=1024, help="requests admitted per mode; more get 503")
-    add("--max-body-mb", type=_above_zero, default=64.0, help="larger request bodies get 413")
+    add("--max-batch-size", type=_count, default=64, help="most tiles a pass (default: 64)")
+    add("--max-wait-ms", type=_at_least_zero, default=5.0, help="most a tile waits (default: 5)")
+    add("--max-queue", type=_count, default=1024, help="per mode; more get 503 (default: 1024)")
+    add("--max-body-mb", type=_above_zero, default=64.0, help="larger bodies get 413 (default: 64)")
     add(
         "--request-timeout",
         type=_above_zero,
         default=None,
         help="seconds a request may wait for its forward pass before 503 (default: no limit)",
     )
-    add("--retry-after", type=_zero_or_more, default=1, help="seconds in Retry-After on 503")
+    add("--retry-after", type=_zero_or_more, default=1, help="Retry-After on 503, s (default: 1)")
     add(
         "--graceful-timeout",
         type=_at_least_zero,
         default=30.0,
-        help="seconds in-flight requests get",
+        help="seconds in-flight requests get at shutdown (default: 30)",
     )
     add("--no-warmup", action="store_true", help="report ready without a warm-up pass")
     add("--access-log", action="store_true", help="log every request (costs throughput)")
