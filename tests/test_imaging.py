@@ -419,15 +419,39 @@ def test_a_jpeg_of_too_many_scans_is_refused_before_decoding() -> None:
     # a standard progressive JPEG, and one within the limit
     assert decode(_progressive_jpeg(0), size=64, tile=64).shape == (3, 64, 64)
     assert decode(_progressive_jpeg(50), size=64, tile=64).shape == (3, 64, 64)
-    # A JPEG-compressed TIFF has a stream per strip: 128 strips of 8 rows, 128 scans in all.
+    # Counted in the first image only: not in data after its end (a motion photo's video), nor
+    # in a thumbnail (APP1), both full of the SOS marker's two bytes.
+    baseline = encode_jpeg(Image.new("RGB", (64, 64), (200, 120, 160)))
+    trailing = baseline + b"\xff\xda" * 500
+    assert decode(trailing, size=64, tile=64).shape == (3, 64, 64)
+    thumbnail = b"Exif\0\0" + b"\xff\xda" * 200
+    app1 = b"\xff\xe1" + (len(thumbnail) + 2).to_bytes(2, "big") + thumbnail
+    assert decode(baseline[:2] + app1 + baseline[2:], size=64, tile=64).shape == (3, 64, 64)
+    # A JPEG-compressed TIFF (libtiff bounds its strips' scans itself): 128 strips of 8 rows.
     rgb = np.random.default_rng(0).integers(0, 256, (1024, 64, 3), dtype=np.uint8)
     buf = io.BytesIO()
     Image.fromarray(rgb).save(buf, format="TIFF", compression="jpeg", tiffinfo={278: 8})
     assert buf.getvalue().count(b"\xff\xda") > imaging.MAX_JPEG_SCANS
     assert decode(buf.getvalue(), width=64, height=1024).shape == (3, 32, 32)
     bomb = _progressive_jpeg(imaging.MAX_JPEG_SCANS)
-    with pytest.raises(InvalidRequestError, match=r"a JPEG of \d+ scans, over the limit of 100"):
+    with pytest.raises(InvalidRequestError, match=r"a JPEG of over 100 scans"):
         decode(bomb, size=64)
+
+
+def test_an_mpo_of_too_many_scans_is_refused_as_a_jpeg() -> None:
+    """Pillow opens a JPEG with an MPF header as an MPO: the same decoder, the same limit."""
+    image = Image.new("RGB", (64, 64), (200, 120, 160))
+    buf = io.BytesIO()
+    image.save(buf, "MPO", save_all=True, append_images=[image], progressive=True)
+    mpo = buf.getvalue()
+    with Image.open(io.BytesIO(mpo)) as opened:
+        assert opened.format == "MPO"
+    assert decode(mpo, size=64, tile=64).shape == (3, 64, 64)
+    end = mpo.index(b"\xff\xd9")  # the first frame's last scan, repeated
+    last = mpo.rindex(b"\xff\xda", 0, end)
+    crafted = mpo[:end] + mpo[last:end] * imaging.MAX_JPEG_SCANS + mpo[end:]
+    with pytest.raises(InvalidRequestError, match=r"a JPEG of over 100 scans"):
+        decode(crafted, size=64)
 
 
 @pytest.mark.parametrize("mode", ["RGB", "I;16"])  # a fast decoder's PNG, and one only Pillow reads

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import binascii
 import io
+import re
 import struct
 from collections.abc import Callable
 
@@ -25,10 +26,10 @@ from . import png
 __all__ = ["ACCEPTED_FORMATS", "decode_tile"]
 
 ACCEPTED_FORMATS = frozenset({"PNG", "JPEG", "TIFF"})
-#: Most scans a JPEG stream may have, per stream (a TIFF's JPEG-compressed strips or tiles are
-#: one stream each). Each scan is a pass over the whole image: a small progressive JPEG that
-#: repeats a cheap scan thousands of times costs seconds to decode within every size limit (a
-#: 4096 x 4096 image: ~2 ms a scan). Encoders write 1 (baseline) to ~10 (progressive).
+#: Most scans a JPEG's image may have. Each scan is a pass over the whole image: a small
+#: progressive JPEG that repeats a cheap scan thousands of times costs seconds to decode within
+#: every size limit (a 4096 x 4096 image: ~2 ms a scan). Encoders write 1 (baseline) to ~10
+#: (progressive).
 MAX_JPEG_SCANS = 100
 # Pixel modes that convert to RGB without losing meaning (16-bit and float modes would clip).
 _CONVERTIBLE_MODES = frozenset({"RGB", "RGBA", "RGBX", "L", "LA", "P", "PA", "CMYK", "YCbCr", "1"})
@@ -128,25 +129,41 @@ def _to_tensor(pixels: torch.Tensor, tile_size: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(hwc.transpose(2, 0, 1)))
 
 
-def _too_many_scans(image: Image.Image, raw: bytes) -> int | None:
-    """The number of JPEG scans in ``raw`` if over :data:`MAX_JPEG_SCANS` per stream, else None.
+#: Marker segments a JPEG's header may have at most (encoders write ~10-40): the walk in
+#: :func:`_jpeg_scans` is Python, one step a segment.
+_MAX_JPEG_SEGMENTS = 1000
+# The next marker in entropy-coded data: 0xFF not followed by a stuffed 0x00 or a restart.
+_NEXT_MARKER = re.compile(rb"\xff(?![\x00\xd0-\xd7])")
 
-    An SOS marker's two bytes cannot occur inside entropy-coded data (a 0xFF there is followed
-    by 0x00 or a restart marker), so counting them in the bytes counts scans (and a thumbnail's
-    in metadata: a handful), at C speed and before any pixel is decoded."""
-    if image.format == "JPEG":
-        streams = 1
-    elif isinstance(image, TiffImagePlugin.TiffImageFile) and image.info.get("compression") in (
-        "jpeg",
-        "tiff_jpeg",
-    ):
-        # A stream per strip or tile (TileOffsets, else StripOffsets).
-        offsets = image.tag_v2.get(324) or image.tag_v2.get(273) or ()
-        streams = max(1, len(offsets) if isinstance(offsets, tuple) else 1)
-    else:
-        return None
-    scans = raw.count(b"\xff\xda")
-    return scans if scans > MAX_JPEG_SCANS * streams else None
+
+def _jpeg_scans(raw: bytes) -> int:
+    """The scans of the first image of a JPEG (up to its EOI), counted before any pixel is
+    decoded; stops counting past :data:`MAX_JPEG_SCANS`. Segments are skipped by their lengths
+    (so a thumbnail in APP1 is not counted), entropy-coded data by a C search for the next
+    marker (so trailing data, an MPO's other frames or a motion photo's video, is not either).
+    Anything malformed ends the count: the decoder refuses it."""
+    position, scans = 2, 0  # after SOI
+    for _ in range(_MAX_JPEG_SEGMENTS):
+        while raw[position : position + 2] == b"\xff\xff":  # fill bytes before a marker
+            position += 1
+        if len(raw) < position + 4 or raw[position] != 0xFF:
+            return scans
+        marker = raw[position + 1]
+        if marker == 0xD9:  # EOI
+            return scans
+        if 0xD0 <= marker <= 0xD7 or marker == 0x01:  # no length
+            position += 2
+            continue
+        position += 2 + int.from_bytes(raw[position + 2 : position + 4], "big")
+        if marker == 0xDA:  # SOS: its header, then entropy-coded data up to the next marker
+            scans += 1
+            if scans > MAX_JPEG_SCANS:
+                return scans
+            found = _NEXT_MARKER.search(raw, position)
+            if found is None:
+                return scans
+            position = found.start()
+    return MAX_JPEG_SCANS + 1  # thousands of segments: no encoder writes that
 
 
 def _resized(rgb: Image.Image, tile_size: int, interpolation: str) -> torch.Tensor:
@@ -226,12 +243,15 @@ def decode_tile(
         check_size(image.width, image.height)
         if image.mode not in _CONVERTIBLE_MODES:
             raise invalid(f"pixel mode {image.mode!r} is not supported (use 8-bit RGB)")
-        scans = _too_many_scans(image, raw)
-        if scans is not None:
-            raise invalid(
-                f"a JPEG of {scans} scans, over the limit of {MAX_JPEG_SCANS} a stream "
-                "(re-encode it as baseline or standard progressive)"
-            )
+        # JPEG, MPO (a JpegImageFile too) alike. JPEG-compressed TIFF strips need no check:
+        # libtiff refuses a strip of over 100 scans itself.
+        if isinstance(image, JpegImagePlugin.JpegImageFile):
+            scans = _jpeg_scans(raw)
+            if scans > MAX_JPEG_SCANS:
+                raise invalid(
+                    f"a JPEG of over {MAX_JPEG_SCANS} scans, or of thousands of segments "
+                    "(re-encode it as baseline or standard progressive)"
+                )
         try:
             image.load()
         except Exception as exc:
