@@ -179,6 +179,10 @@ def test_a_missing_extra_is_named_even_with_options(
         extra = "server" if command == "serve" else "bench"
         code, _, err = run(argv, capsys)
         assert_one_line_error(code, err, f"pip install 'histoinfer[{extra}]'")
+    # The word as an option's value is not the subcommand: the command runs (and here fails
+    # for its own reason).
+    code, _, err = run(["metadata", "--checkpoint", command], capsys)
+    assert_one_line_error(code, err, f"checkpoint file not found: {command}")
 
 
 def test_a_package_missing_at_run_time_is_one_line(

@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import httpx
+import numpy as np
 import pytest
 
 from histoinfer import HttpClient, InProcessClient, ServerModel
@@ -19,7 +21,7 @@ URL = "http://127.0.0.1:1"  # never contacted: every case fails in the construct
         *[("max_in_flight", v, "an int >= 1 or None") for v in (0, -1, 2.5, True, "8")],
         *[("max_connections", v, "an int >= 1") for v in (0, -5, None, 1.5)],
         *[("retries", v, "an int >= 0") for v in (-1, None, "3", False)],
-        *[("timeout", v, "a finite number > 0") for v in (0, -1, float("inf"), None, "5")],
+        *[("timeout", v, "a finite number > 0 or None") for v in (0, -1, float("inf"), "5")],
         *[("backoff", v, "a finite number >= 0") for v in (-1, float("nan"))],
         *[("max_backoff", v, "a finite number >= 0") for v in (-0.5, "1")],
     ],
@@ -39,6 +41,15 @@ def test_good_http_client_arguments_are_kept() -> None:
     client = HttpClient(URL, timeout=2, retries=0, backoff=0, max_connections=1, max_in_flight=None)
     assert (client.timeout, client.retries, client.max_in_flight) == (2, 0, None)
     client.close()
+    # httpx's own forms of a timeout, and numpy's ints, as before the checks
+    for timeout in (None, httpx.Timeout(30), httpx.Timeout(5, pool=None)):
+        HttpClient(URL, timeout=timeout, max_connections=np.int64(8)).close()
+
+
+def test_inprocess_flags_take_what_python_takes_for_a_bool(tiny_model: ServerModel) -> None:
+    for flag in (np.True_, 1, 0, False):
+        with InProcessClient(tiny_model, dynamic_batching=flag) as client:  # type: ignore[arg-type]
+            assert client.dynamic_batching is bool(flag)
 
 
 @pytest.mark.parametrize(
@@ -49,7 +60,7 @@ def test_good_http_client_arguments_are_kept() -> None:
         ("max_queue", 0, "an int >= 1 or None"),
         ("request_timeout", 0, "a finite number > 0 or None"),
         ("dynamic_batching", "no", "True or False"),
-        ("dynamic_batching", 0, "True or False"),
+        ("dynamic_batching", 2, "True or False"),
     ],
 )
 def test_inprocess_client_arguments_are_checked(

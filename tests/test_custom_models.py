@@ -31,6 +31,21 @@ class SpecSignature(H1ServerModel):
         return super().prepare_sample(request)
 
 
+def logged(method: Any) -> Any:
+    """A decorator that forgets functools.wraps: its wrapper's signature is (*args, **kwargs)."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return method(*args, **kwargs)
+
+    return wrapper
+
+
+class DecoratedPrepare(H1ServerModel):
+    @logged
+    def prepare_sample(self, request: ModelRequest) -> torch.Tensor:  # type: ignore[override]
+        return super().prepare_sample(request)
+
+
 class FailingPrepare(H1ServerModel):
     def prepare_sample(self, request: ModelRequest) -> torch.Tensor:  # type: ignore[override]
         if request.patch_idx == BAD:
@@ -56,8 +71,11 @@ def build(cls: type[ServerModel], tiny_model: ServerModel) -> ServerModel:
     return cls(tiny_model.checkpoint, tiny_model.assets, "cpu")
 
 
-def test_spec_signature_serves_every_path(tiny_model: ServerModel, reference: Any) -> None:
-    model = build(SpecSignature, tiny_model)
+@pytest.mark.parametrize("kind", [SpecSignature, DecoratedPrepare])
+def test_spec_signature_serves_every_path(
+    kind: type[ServerModel], tiny_model: ServerModel, reference: Any
+) -> None:
+    model = build(kind, tiny_model)
     bodies = [make_body(i) for i in range(4)]
     expected = [reference.predict(b) for b in bodies]
     with InProcessClient(model) as dynamic, InProcessClient(model, dynamic_batching=False) as one:

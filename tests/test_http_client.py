@@ -770,10 +770,39 @@ def test_a_batch_answer_that_is_not_a_list_of_responses_is_an_inference_error():
         transport = httpx.MockTransport(lambda r, answer=answer: answer)
         with (
             HttpClient("http://h", transport=transport, retries=0) as client,
-            pytest.raises(InferenceError, match="neither NDJSON nor a JSON list") as info,
+            pytest.raises(InferenceError, match="not NDJSON or a JSON list of responses") as info,
         ):
             client.predict_batch([make_body(0)])
         assert type(info.value) is InferenceError
     transport = httpx.MockTransport(lambda r: httpx.Response(200, json=[{"output": [1.0]}]))
     with HttpClient("http://h", transport=transport, retries=0) as client:
         assert client.predict_batch([make_body(0)]) == ['{"output":[1.0]}']
+
+
+def test_stats_from_a_server_that_is_not_histoinfer_is_an_inference_error():
+    for answer in (
+        httpx.Response(200, text="<html>hello</html>", headers={"content-type": "text/html"}),
+        httpx.Response(200, json=[1, 2]),
+        httpx.Response(200, json={"predict": {"batches": 1}}),
+    ):
+        transport = httpx.MockTransport(lambda r, answer=answer: answer)
+        with (
+            HttpClient("http://h", transport=transport, retries=0) as client,
+            pytest.raises(InferenceError, match="not a JSON object of statistics per mode"),
+        ):
+            client.stats()
+
+
+def test_a_body_nested_too_deep_for_the_servers_list_goes_verbatim():
+    """The server reads a JSON list one level deeper than the body alone: a body at the edge of
+    its nesting limit must go verbatim, to be refused by position as in-process."""
+    body = json.loads(make_body(1))
+    inner: dict[str, Any] = {}
+    deep = inner
+    for _ in range(200):
+        deep["zzz"] = {}
+        deep = deep["zzz"]
+    text = json.dumps({**body, "zzz": inner})
+    assert http_module._json_object(make_body(1))
+    assert not http_module._json_object(text)
+    assert not http_module._json_object(make_body(1) + "," + make_body(2))  # two, not one

@@ -164,8 +164,11 @@ def _configure_plugin(parser: argparse.ArgumentParser, argv: Sequence[str]) -> s
     """Let a plugged subcommand add its own options (its module is imported only now); what
     is missing to run it, if its module cannot be imported (its options are unknown then, and
     argparse would only say they are not recognized)."""
+    # The subcommand is the first word that is not an option (the global options take no
+    # value): "export --out serve" names a folder, not the serve command.
+    command = next((word for word in argv if not word.startswith("-")), None)
     for name, (module, _) in _PLUGGED.items():
-        if name in argv:
+        if name == command:
             try:
                 plugin = importlib.import_module(module)
             except ImportError as exc:

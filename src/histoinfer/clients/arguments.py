@@ -37,6 +37,8 @@ def check_seconds(name: str, value: object, zero_ok: bool = False, none_ok: bool
 
 
 def check_flag(name: str, value: object) -> None:
-    """True or False: ``dynamic_batching="no"`` would otherwise be taken as true."""
-    if not isinstance(value, bool):
+    """True or False (or 0, 1, numpy's booleans): ``dynamic_batching="no"`` would otherwise be
+    taken as true."""
+    numpy_bool = type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
+    if not (numpy_bool or (isinstance(value, numbers.Integral) and value in (0, 1))):
         raise ValueError(f"{name} must be True or False, got {value!r}")

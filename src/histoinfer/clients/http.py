@@ -94,7 +94,9 @@ class HttpClient(ClosingContext):
     Args:
         base_url: the server, e.g. ``"http://127.0.0.1:8080"`` (a path prefix is kept).
         model: the served model's name (its route, ``/api/{mode}/{model}``).
-        timeout: seconds for each HTTP request (connect, write, read, pool).
+        timeout: seconds for each HTTP request (connect, write, read, pool), ``None`` for no
+            limit, or an ``httpx.Timeout`` (its ``pool`` part also bounds the wait for a
+            ``max_in_flight`` slot).
         max_connections: connection pool size (per event loop for async calls); the pool
             httpx gets is no larger than ``max_in_flight``, which is all it can use.
         retries: how many times a request is sent again after a connection error or a
@@ -119,7 +121,7 @@ class HttpClient(ClosingContext):
         base_url: str,
         model: str = "h1",
         *,
-        timeout: float = 120.0,
+        timeout: float | httpx.Timeout | None = 120.0,
         max_connections: int = 256,
         retries: int = 3,
         backoff: float = 0.1,
@@ -127,7 +129,8 @@ class HttpClient(ClosingContext):
         max_in_flight: int | None = 64,
         **httpx_options: Any,
     ) -> None:
-        check_seconds("timeout", timeout)
+        if not isinstance(timeout, httpx.Timeout):
+            check_seconds("timeout", timeout, none_ok=True)
         check_count("max_connections", max_connections)
         check_count("retries", retries, minimum=0)
         check_seconds("backoff", backoff, zero_ok=True)
@@ -145,6 +148,8 @@ class HttpClient(ClosingContext):
         self.max_backoff = max_backoff
         self.max_in_flight = max_in_flight
         self._timeout = httpx.Timeout(timeout)
+        #: how long a call waits for a max_in_flight slot (None: for ever)
+        self._slot_wait = timeout.pool if isinstance(timeout, httpx.Timeout) else timeout
         # More connections than requests in flight would only lengthen httpcore's scans.
         connections = (
             max_connections if max_in_flight is None else min(max_connections, max_in_flight)
@@ -193,8 +198,13 @@ class HttpClient(ClosingContext):
         """
         url = self._url(f"/api/stats/{self._model_path}")
         with self._calls.call():
-            found = json.loads(self._send("GET", url, None, {"Accept": _ACCEPT}).content)
-        return {mode: _snapshot(fields) for mode, fields in found.items()}
+            response = self._send("GET", url, None, {"Accept": _ACCEPT})
+        try:
+            return {
+                mode: _snapshot(fields) for mode, fields in json.loads(response.content).items()
+            }
+        except (ValueError, TypeError, AttributeError, KeyError) as exc:
+            raise _unexpected(response, "a JSON object of statistics per mode") from exc
 
     # -- Client protocol: async --------------------------------------------------------------
 
@@ -296,7 +306,7 @@ class HttpClient(ClosingContext):
         attempt = _Attempt(self, method, url)
         while True:
             try:
-                with _slot(self._sync_slots, self.timeout), shards.lease() as client:
+                with _slot(self._sync_slots, self._slot_wait), shards.lease() as client:
                     response = client.request(
                         method, url, content=content, headers=headers, timeout=self._timeout
                     )
@@ -323,7 +333,7 @@ class HttpClient(ClosingContext):
         attempt = _Attempt(self, method, url)
         while True:
             try:
-                async with _slot_async(pool.slots, self.timeout):
+                async with _slot_async(pool.slots, self._slot_wait):
                     with pool.lease(session) as client:
                         response = await client.request(
                             method, url, content=content, headers=headers, timeout=self._timeout
@@ -405,7 +415,7 @@ def _shard_sizes(connections: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def _slot(slots: threading.BoundedSemaphore | None, timeout: float) -> Iterator[None]:
+def _slot(slots: threading.BoundedSemaphore | None, timeout: float | None) -> Iterator[None]:
     """Hold one of ``max_in_flight`` sync slots while sending (none to hold: ``None``)."""
     if slots is None:
         yield
@@ -419,12 +429,12 @@ def _slot(slots: threading.BoundedSemaphore | None, timeout: float) -> Iterator[
 
 
 @contextlib.asynccontextmanager
-async def _slot_async(slots: anyio.Semaphore | None, timeout: float) -> AsyncIterator[None]:
+async def _slot_async(slots: anyio.Semaphore | None, timeout: float | None) -> AsyncIterator[None]:
     """The same for one loop: waiting is cancellable, and a cancelled waiter holds nothing."""
     if slots is None:
         yield
         return
-    with anyio.move_on_after(timeout) as scope:
+    with anyio.move_on_after(math.inf if timeout is None else timeout) as scope:
         await slots.acquire()
     if scope.cancelled_caught:
         raise _no_slot(timeout)
@@ -434,9 +444,15 @@ async def _slot_async(slots: anyio.Semaphore | None, timeout: float) -> AsyncIte
         slots.release()
 
 
-def _no_slot(timeout: float) -> httpx.PoolTimeout:
+def _describe(timeout: float | httpx.Timeout | None) -> str:
+    if isinstance(timeout, httpx.Timeout):
+        return f"the timeout ({timeout!r})"
+    return "no limit" if timeout is None else f"{timeout:g} s"
+
+
+def _no_slot(timeout: float | None) -> httpx.PoolTimeout:
     # What httpx raises when its own pool has no connection in time: reported the same way.
-    return httpx.PoolTimeout(f"no request slot (max_in_flight) free within {timeout:g} s")
+    return httpx.PoolTimeout(f"no request slot (max_in_flight) free within {_describe(timeout)}")
 
 
 _JSON_HEADERS = {"Content-Type": "application/json", "Accept": _ACCEPT}
@@ -466,7 +482,7 @@ class _Attempt:
         if not isinstance(exc, _RETRY_ERRORS) or self.number >= self.client.retries:
             tries = f" after {self.number + 1} attempts" if self.number else ""
             if isinstance(exc, httpx.TimeoutException):
-                why = f"no answer within {self.client.timeout:g} s"
+                why = f"no answer within {_describe(self.client.timeout)}"
             else:
                 why = "cannot reach the server"
             raise InferenceError(
@@ -524,6 +540,15 @@ def _error_from(response: httpx.Response) -> InferenceError:
     )
 
 
+def _unexpected(response: httpx.Response, expected: str) -> InferenceError:
+    """A server that does not answer as histoinfer's does (a proxy's page, another API)."""
+    kind = response.headers.get("content-type", "no content type")
+    text = response.content[:300].decode("utf-8", "replace")
+    return InferenceError(
+        f"the server answered HTTP {response.status_code} ({kind}), not {expected}: {text}"
+    )
+
+
 def _snapshot(fields: dict[str, Any]) -> StatsSnapshot:
     """A ``StatsSnapshot`` from its JSON (the histogram's keys, batch sizes, came as strings)."""
     from ..batching.stats import StatsSnapshot  # here: importing HttpClient stays light
@@ -577,7 +602,9 @@ def _json_object(body: object) -> TypeGuard[str]:
     if not isinstance(body, str):
         return False
     try:
-        return isinstance(pydantic_core.from_json(body, allow_inf_nan=False), dict)
+        # Inside a list, as the server reads it: a level deeper (its nesting limit counts).
+        items = pydantic_core.from_json(f"[{body}]", allow_inf_nan=False)
+        return len(items) == 1 and isinstance(items[0], dict)
     except (ValueError, TypeError):  # not JSON, a lone surrogate, a str subclass
         return False
 
@@ -627,12 +654,7 @@ def _split_batch(response: httpx.Response, expected: int) -> list[str]:
         except ValueError:
             items = None
         if not isinstance(items, list):
-            kind = response.headers.get("content-type", "no content type")
-            text = response.content[:300].decode("utf-8", "replace")
-            raise InferenceError(
-                f"the server answered HTTP {response.status_code} ({kind}) that is neither "
-                f"NDJSON nor a JSON list of responses: {text}"
-            )
+            raise _unexpected(response, "NDJSON or a JSON list of responses")
         responses = [json.dumps(i, separators=(",", ":"), ensure_ascii=False) for i in items]
     if len(responses) != expected:
         raise InferenceError(f"the server answered {len(responses)} responses for {expected}")

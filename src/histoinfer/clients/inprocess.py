@@ -447,7 +447,7 @@ class InProcessClient(ClosingContext):
         self.server_model = server_model
         self.max_batch_size = max_batch_size
         self.max_wait_ms = float(max_wait_ms)
-        self.dynamic_batching = dynamic_batching
+        self.dynamic_batching = bool(dynamic_batching)
         self.max_queue = max_queue
         self.prepare_threads = prepare_threads or _default_prepare_threads(server_model)
         self.request_timeout = request_timeout
@@ -476,7 +476,7 @@ class InProcessClient(ClosingContext):
         metadata = server_model.metadata().model_copy(
             update={
                 "batching": BatchingSettings(
-                    dynamic_batching=dynamic_batching,
+                    dynamic_batching=self.dynamic_batching,
                     max_batch_size=max_batch_size,
                     max_wait_ms=self.max_wait_ms,
                     max_queue=max_queue,

@@ -155,9 +155,13 @@ class ServerModel:
         # request sits in its batch, for its error messages (prepared_tile).
         prepare = type(self).prepare_sample
         self._own_prepare = prepare is ServerModel.prepare_sample
-        parameters = inspect.signature(self.prepare_sample).parameters.values()
-        self._prepare_takes_where = any(
-            p.name == "where" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters
+        # A parameter named so, not a bare **kwargs: a decorator's (*args, **kwargs) wrapper
+        # would take it, and the function inside it would not.
+        parameters = inspect.signature(self.prepare_sample).parameters
+        where = parameters.get("where")
+        self._prepare_takes_where = where is not None and where.kind in (
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            inspect.Parameter.KEYWORD_ONLY,
         )
         # On the device's thread, where the clients run every forward pass: run here, the probe
         # would leave this thread an OpenMP team for good (models/device_thread.py).
