@@ -378,6 +378,17 @@ def test_a_palette_png_without_its_palette_is_refused(
     assert WHERE in str(info.value)
 
 
+def test_a_palette_png_without_its_palette_behind_many_chunks_is_refused() -> None:
+    """Past the header walk's bound (64 chunks before IDAT), Pillow's reading says it."""
+    raw = _palette_png(32, 1, plte=False, trns=None)
+    empty = _chunk(b"teXt", b"")
+    padded = raw[:33] + empty * 100 + raw[33:]
+    header = png.read_header(padded)
+    assert header is not None and header.palette  # unknown: assumed present
+    with pytest.raises(InvalidRequestError, match="palette"):
+        decode(padded)
+
+
 def test_a_palette_png_with_transparency_decodes_without_a_warning() -> None:
     raw = _palette_png(32, 2, plte=True, trns=bytes([255, 128, 200, 0]))
     with warnings.catch_warnings():

@@ -243,6 +243,9 @@ def decode_tile(
         check_size(image.width, image.height)
         if image.mode not in _CONVERTIBLE_MODES:
             raise invalid(f"pixel mode {image.mode!r} is not supported (use 8-bit RGB)")
+        if image.mode in ("P", "PA") and image.palette is None:
+            # A PNG whose chunks the header walk did not reach (png.read_header).
+            raise invalid("a palette image without its palette (no PLTE chunk)")
         # JPEG, MPO (a JpegImageFile too) alike. JPEG-compressed TIFF strips need no check:
         # libtiff refuses a strip of over 100 scans itself.
         if isinstance(image, JpegImagePlugin.JpegImageFile):
