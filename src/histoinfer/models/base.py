@@ -232,7 +232,8 @@ class ServerModel:
         A subclass's ``prepare_sample`` gets ``where`` only if it takes it. What it raises other
         than an :class:`InferenceError`, or a tile that is not ``uint8 [3, T, T]`` on the CPU
         (normalization belongs to the batch: :meth:`forward_tiles`), fails its own request
-        alone with a :class:`ModelExecutionError`, the same on every path."""
+        with a :class:`ModelExecutionError`, the same on every path (a ``*_batch`` call, all or
+        nothing, as a whole)."""
         if self._own_prepare:
             return self.prepare_sample(request, where)
         name = self.assets.name
