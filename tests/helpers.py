@@ -1,12 +1,17 @@
-"""Request builders shared by the tests (tiny tiles, seeded pixels, loopback only)."""
+"""Request builders shared by the tests (tiny tiles, seeded pixels, loopback only), and the
+app served in-process."""
 
 from __future__ import annotations
 
 import base64
 import io
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio
+import httpx
 import numpy as np
 from PIL import Image
 
@@ -58,3 +63,16 @@ def outputs_close(a: str, b: str, tol: float = 1e-4) -> bool:
         elif ra[key] != rb[key]:
             return False
     return True
+
+
+@asynccontextmanager
+async def serving(app: Any, *, ready: bool = True) -> AsyncIterator[httpx.AsyncClient]:
+    """Run the app's lifespan and talk to it in-process; wait for readiness if asked."""
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            if ready:
+                with anyio.fail_after(30):
+                    while (await http.get("/health/ready")).status_code != 200:
+                        await anyio.sleep(0.02)
+            yield http

@@ -10,7 +10,7 @@ import anyio
 import httpx
 import pytest
 import torch
-from helpers import make_body
+from helpers import make_body, serving
 
 from histoinfer import HttpClient, InProcessClient
 from histoinfer.errors import ModelExecutionError
@@ -122,12 +122,8 @@ async def test_a_subclass_failing_fails_its_own_request_alike_everywhere(
 
         # Over HTTP: the same class and message (a 500 with the detail).
         app = create_app({"h1": InProcessClient(model)}, warmup=False)
-        async with app.router.lifespan_context(app):
+        async with serving(app):
             transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://test") as probe:
-                with anyio.fail_after(30):
-                    while (await probe.get("/health/ready")).status_code != 200:
-                        await anyio.sleep(0.02)
             async with HttpClient("http://test", transport=transport, retries=0) as http:
                 with pytest.raises(ModelExecutionError, match=message):
                     await http.predict_async(bodies[BAD])

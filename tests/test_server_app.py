@@ -9,13 +9,12 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
 import httpx
 import pytest
-from helpers import make_body, outputs_close, request_dict
+from helpers import make_body, outputs_close, request_dict, serving
 from prometheus_client.parser import text_string_to_metric_families
 
 from histoinfer import InProcessClient
@@ -26,19 +25,6 @@ from histoinfer.server import ServerState, create_app
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
 PROBLEM_KEYS = {"type", "title", "status", "detail"}
-
-
-@asynccontextmanager
-async def serving(app: Any, *, ready: bool = True) -> AsyncIterator[httpx.AsyncClient]:
-    """Run the app's lifespan and talk to it in-process; wait for readiness if asked."""
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
-            if ready:
-                with anyio.fail_after(30):
-                    while (await http.get("/health/ready")).status_code != 200:
-                        await anyio.sleep(0.02)
-            yield http
 
 
 def fresh_client(model: Any, **tuning: Any) -> InProcessClient:
