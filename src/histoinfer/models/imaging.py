@@ -215,9 +215,6 @@ def decode_tile(
     if header is not None:
         # From the header, for any PNG: a bomb costs nothing, and Pillow never sees one.
         check_size(header.width, header.height)
-        if header.color_type == png.PALETTE and not header.palette:
-            # Pillow would make up a palette, and the tile would be a wrong answer.
-            raise invalid("a palette PNG without its PLTE chunk (the palette is missing)")
         fast = png.choose(header)
         try:
             array = fast.decode(raw) if fast is not None else None
@@ -244,8 +241,11 @@ def decode_tile(
         if image.mode not in _CONVERTIBLE_MODES:
             raise invalid(f"pixel mode {image.mode!r} is not supported (use 8-bit RGB)")
         if image.mode in ("P", "PA") and image.palette is None:
-            # A PNG whose chunks the header walk did not reach (png.read_header).
-            raise invalid("a palette image without its palette (no PLTE chunk)")
+            # No fast decoder takes one (png.py); converted, Pillow would make up the colours
+            # (a wrong answer) or fail an assert.
+            raise invalid(
+                f"a palette {image.format} without its PLTE chunk (the palette is missing)"
+            )
         # JPEG, MPO (a JpegImageFile too) alike. JPEG-compressed TIFF strips need no check:
         # libtiff refuses a strip of over 100 scans itself.
         if isinstance(image, JpegImagePlugin.JpegImageFile):

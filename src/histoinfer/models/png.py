@@ -246,8 +246,12 @@ def _wuffs() -> tuple[FastDecoder, Callable[[bytes], np.ndarray]] | None:
     alone = FastDecoder(
         "Wuffs (pywuffs)",
         # Opaque 8-bit images only: with alpha or tRNS, Wuffs composites where Pillow drops.
+        # A palette image without its PLTE goes to Pillow too, which refuses it (imaging.py).
         takes=lambda h: (
-            h.depth == 8 and h.color_type in (_GRAY, _RGB, PALETTE) and not h.transparency
+            h.depth == 8
+            and h.color_type in (_GRAY, _RGB, PALETTE)
+            and not h.transparency
+            and (h.palette or h.color_type != PALETTE)
         ),
         decode=decode,
     )
