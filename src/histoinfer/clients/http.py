@@ -534,19 +534,23 @@ def _error_from(response: httpx.Response) -> InferenceError:
             problem = None
         if isinstance(problem, dict) and isinstance(problem.get("detail"), str):
             return error_for_problem_type(problem.get("type"), status)(problem["detail"])
-    text = response.content[:300].decode("utf-8", "replace")
     return error_for_problem_type(None, status)(
-        f"HTTP {status} from {response.request.method} {response.request.url}: {text}"
+        f"HTTP {status} from {response.request.method} {response.request.url}: {_head(response)}"
     )
 
 
 def _unexpected(response: httpx.Response, expected: str) -> InferenceError:
     """A server that does not answer as histoinfer's does (a proxy's page, another API)."""
     kind = response.headers.get("content-type", "no content type")
-    text = response.content[:300].decode("utf-8", "replace")
     return InferenceError(
-        f"the server answered HTTP {response.status_code} ({kind}), not {expected}: {text}"
+        f"the server answered HTTP {response.status_code} ({kind}), not {expected}: "
+        f"{_head(response)}"
     )
+
+
+def _head(response: httpx.Response) -> str:
+    """The start of a body that is not what was expected, for an error message."""
+    return response.content[:300].decode("utf-8", "replace")
 
 
 def _snapshot(fields: dict[str, Any]) -> StatsSnapshot:
