@@ -539,6 +539,28 @@ async def test_a_batch_waiting_for_a_busy_thread_runs_without_those_whose_deadli
     assert snap.samples == 1 and snap.error_kinds == {"deadline": 1}
 
 
+async def test_forward_time_is_the_batch_functions_not_a_wait_for_its_thread() -> None:
+    """The statistics' forward time is timed on the batch function's thread: a batch that
+    waited for a thread busy with other work does not count that wait as its own time."""
+    worker = DeviceThread("test-timed-device")
+    release = threading.Event()
+    results: dict[int, Any] = {}
+    fn = HeldBatchFn(held=False)
+    sched = BatchScheduler(fn, max_batch_size=8, thread=worker.submit)
+    with anyio.fail_after(10):
+        worker.submit(release.wait, 10)  # someone else's job holds the thread
+        async with anyio.create_task_group() as tg:
+            spawn_submit(tg, sched.submit, 1, results)
+            await wait_until(lambda: sched.queue_depth == 0)  # dispatched, waiting
+            await anyio.sleep(0.3)
+            release.set()
+    assert results[1] == 10
+    snap = sched.stats.snapshot()
+    assert snap.batches == 1
+    assert snap.forward_busy_s < 0.1  # not the 0.3 s it waited for the thread
+    assert snap.forward_ms["p50"] < 100
+
+
 async def test_a_finished_batchs_callers_do_not_wait_behind_other_work_on_its_thread() -> None:
     """A finished batch's callers are woken as the next batch starts on the thread (so that
     handing it over comes first). When the thread is busy with other work (another loop's

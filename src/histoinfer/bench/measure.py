@@ -78,9 +78,11 @@ class Sample:
 
     @property
     def busy_share(self) -> float | None:
+        """The forward pass's time over the wall time. Not clamped: passes run one at a time,
+        so a share above 1 would be a measuring bug, and is shown as one."""
         if self.forward_busy_s is None or self.wall_s <= 0:
             return None
-        return min(self.forward_busy_s / self.wall_s, 1.0)
+        return self.forward_busy_s / self.wall_s
 
 
 #: The name given to threads Python does not know (torch's OpenMP workers, on Linux).

@@ -145,6 +145,15 @@ def _forward(
     return samples
 
 
+def _timed(fn: Callable[..., T], *args: Any) -> tuple[T, float]:
+    """``fn(*args)`` and how long it ran, timed on the thread that runs it (the device's): the
+    statistics' forward time, as the schedulers time their batch function (batching/stats.py).
+    From the caller, it would include the hand-offs, and a wait behind other calls' passes."""
+    started = time.perf_counter()
+    result = fn(*args)
+    return result, time.perf_counter() - started
+
+
 class _Job:
     """One request on its way to a forward pass: decoded already, or a body that the device's
     thread decodes before the pass (a request that was alone; see the module docstring)."""
@@ -676,15 +685,14 @@ class InProcessClient(ClosingContext):
     ) -> tuple[_Job, SampleOutput]:
         """``job`` alone through a forward pass on the device's thread. A lone body's refusal
         there is raised (:class:`_TooBigHere` included), and counts as nothing."""
-        started = time.perf_counter()
         # Loaded while other calls are being decoded: then the pass leaves them their cores,
         # as a dynamic client's does (clients/cores.py).
         loaded = partial(_decoding, limiter)
         future = self._device_thread.submit(
-            _forward_jobs, self.server_model, [job], mode, self._cores, loaded
+            _timed, _forward_jobs, self.server_model, [job], mode, self._cores, loaded
         )
         try:
-            [result] = await wait_future(future, start_by=start_by)
+            [result], ran_s = await wait_future(future, start_by=start_by)
         except anyio.get_cancelled_exc_class():
             if future.cancelled():  # left before its pass started, as a dynamic call counts it
                 self._stats[mode].record_cancelled()
@@ -696,7 +704,7 @@ class InProcessClient(ClosingContext):
             raise _execution_error(job.request, exc) from exc
         if isinstance(result, (InferenceError, _TooBigHere)):
             raise result  # a lone body refused: nothing ran
-        self._stats[mode].record_batch(1, [0.0], time.perf_counter() - started)
+        self._stats[mode].record_batch(1, [0.0], ran_s)
         return job, result
 
     def _deadline_exceeded(self, mode: Mode, detail: str) -> DeadlineExceededError:
@@ -793,10 +801,9 @@ class InProcessClient(ClosingContext):
         tile, as it would through ``predict_async``, and a tile that fails alone is named.
         """
         stats = self._stats[mode]
-        started = time.perf_counter()
         try:
-            outputs = self._device_thread.call(
-                _forward, self.server_model, [tile for _, tile in chunk], mode
+            outputs, ran_s = self._device_thread.call(
+                _timed, _forward, self.server_model, [tile for _, tile in chunk], mode
             )
         except Exception as exc:
             if len(chunk) == 1:
@@ -808,7 +815,7 @@ class InProcessClient(ClosingContext):
             first, failed_first = self._forward_bisecting(chunk[:middle], mode, offset)
             second, failed_second = self._forward_bisecting(chunk[middle:], mode, offset + middle)
             return first + second, failed_first + failed_second
-        stats.record_batch(len(chunk), [0.0] * len(chunk), time.perf_counter() - started)
+        stats.record_batch(len(chunk), [0.0] * len(chunk), ran_s)
         return outputs, []
 
     # -- sync bridge and bookkeeping ---------------------------------------------------------
