@@ -26,7 +26,7 @@ from ..models.device_thread import device_thread
 from ..schema import Mode
 from .loopback import ServerProcess, http_unavailable
 from .measure import Sample, check_responses, drive_async, drive_threads
-from .peers import AsyncBatcherPeer, Pipeline, QueueBatcherPeer
+from .peers import AsyncBatcherPeer, Pipeline, QueueBatcherPeer, forward_thread
 
 __all__ = ["PATHS", "BenchContext", "BenchPath", "make_paths"]
 
@@ -105,11 +105,15 @@ class RawForward(BenchPath):
     def measure(self, bodies: Sequence[str], concurrency: int, mode: Mode) -> Sample:
         model = self.ctx.server_model
         chunk = min(concurrency, self.ctx.max_batch_size)
-        batches = [torch.stack([self.ctx.tiles[i] for i in r]) for r in _chunks(len(bodies), chunk)]
+        tiles = self.ctx.tiles
         latencies: list[float] = []
         clock = time.perf_counter
 
         def run() -> float:
+            # Stacked here, before the clock: a torch op on any other thread (this process's
+            # main thread) would leave a second OpenMP team in the process, and every small
+            # pass would run in the slow regime (models/device_thread.py): ~3x for one tile.
+            batches = [torch.stack([tiles[i] for i in r]) for r in _chunks(len(bodies), chunk)]
             started = clock()
             for batch in batches:
                 t0 = clock()
@@ -120,7 +124,8 @@ class RawForward(BenchPath):
         # On the device's thread, where the clients run every forward pass: the same OpenMP
         # team, so the limit is measured in the regime the clients get (models/device_thread).
         wall = device_thread(model.device).call(run)
-        return Sample(len(bodies), wall, latencies, len(batches), len(bodies), wall)
+        batches = len(_chunks(len(bodies), chunk))
+        return Sample(len(bodies), wall, latencies, batches, len(bodies), wall)
 
 
 class _ClientPath(BenchPath):
@@ -253,7 +258,14 @@ class SyncThreads(_ClientPath):
 
 
 class _PeerPath(BenchPath):
-    """An external batcher running our pipeline, created fresh in each measurement's loop."""
+    """An external batcher running our pipeline, created fresh in each measurement's loop; its
+    forward thread lives as long as the path, as our device thread does (bench/peers.py)."""
+
+    def open(self) -> None:
+        self.forward_thread = forward_thread()
+
+    def close(self) -> None:
+        self.forward_thread.shutdown()
 
     @abstractmethod
     def make_peer(self, pipeline: Pipeline) -> AsyncBatcherPeer | QueueBatcherPeer: ...
@@ -286,7 +298,9 @@ class AsyncBatcherPath(_PeerPath):
         return None
 
     def make_peer(self, pipeline: Pipeline) -> AsyncBatcherPeer:
-        return AsyncBatcherPeer(pipeline, self.ctx.max_batch_size, self.ctx.max_wait_ms)
+        return AsyncBatcherPeer(
+            pipeline, self.ctx.max_batch_size, self.ctx.max_wait_ms, self.forward_thread
+        )
 
 
 class QueueBatcherPath(_PeerPath):
@@ -294,7 +308,9 @@ class QueueBatcherPath(_PeerPath):
     label = "peer: plain asyncio.Queue batcher, same pipeline"
 
     def make_peer(self, pipeline: Pipeline) -> QueueBatcherPeer:
-        return QueueBatcherPeer(pipeline, self.ctx.max_batch_size, self.ctx.max_wait_ms)
+        return QueueBatcherPeer(
+            pipeline, self.ctx.max_batch_size, self.ctx.max_wait_ms, self.forward_thread
+        )
 
 
 class HttpLoopback(BenchPath):

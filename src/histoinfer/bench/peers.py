@@ -4,11 +4,19 @@ Each peer runs exactly our per-request work (parse + validate + decode in a thre
 forward pass, postprocess + JSON on the loop) so that only the batching machinery differs:
 
 * :class:`AsyncBatcherPeer`: the ``async-batcher`` package (``AsyncBatcher.process``), with a
-  synchronous ``process_batch`` that it runs in the loop's default executor.
+  synchronous ``process_batch`` that it runs in the executor it is given (its ``executor=``).
 * :class:`QueueBatcher`: a plain ``asyncio.Queue`` batcher, written the way a user writes one
   after reading the asyncio docs: a background task that takes the first item, waits up to
-  ``max_wait`` for more with ``asyncio.wait_for(queue.get(), ...)``, and runs the batch in the
-  default executor. Preparation goes through ``asyncio.to_thread``, as a user would do it.
+  ``max_wait`` for more with ``asyncio.wait_for(queue.get(), ...)``, and runs the batch in an
+  executor. Preparation goes through ``asyncio.to_thread``, as a user would do it.
+
+Both are given what our clients have, so that the comparison is of the batchers: the forward
+passes run on one long-lived thread of their own (:func:`forward_thread`), not in the loop's
+default executor, and as ours run (``models.shards.forward``: a big CPU batch is sharded).
+Sharing the default executor with the decodes, a pass waits behind every decode already queued
+there, so decoding and passes never overlap; and passes landing on whichever executor thread is
+free leave an OpenMP team on each, which slows every small pass (models/device_thread.py).
+Wired that way, the peers measured ~1.3x slower in session 14 (docs/benchmarks-history.md).
 """
 
 from __future__ import annotations
@@ -18,14 +26,22 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
+from ..models import shards
 from ..models.base import SampleOutput, ServerModel
 from ..schema import Mode, ModelRequest, parse_request
 
-__all__ = ["AsyncBatcherPeer", "Pipeline", "QueueBatcher"]
+__all__ = ["AsyncBatcherPeer", "Pipeline", "QueueBatcher", "forward_thread"]
+
+
+def forward_thread() -> ThreadPoolExecutor:
+    """A peer's forward thread: one worker, long-lived (one OpenMP team, as our device thread
+    has). Named like ours, so that its CPU counts as the forward pass's (bench/measure.py)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="histoinfer-device-peer")
 
 
 class Pipeline:
@@ -46,9 +62,10 @@ class Pipeline:
         return request, self.model.prepared_tile(request, where)
 
     def forward(self, tiles: Sequence[torch.Tensor]) -> list[SampleOutput]:
+        # Timed on the thread that runs the pass, as our clients' passes are (batching/stats.py).
         started = time.perf_counter()
-        # What our clients call for a batch (no stacked copy on a CPU), unsharded.
-        outputs = self.model.forward_tiles(list(tiles), self.mode).split()
+        # What our clients call for a batch (a list: no stacked copy on a CPU; sharded).
+        outputs = shards.forward(self.model, list(tiles), self.mode).split()
         elapsed = time.perf_counter() - started
         with self._lock:
             self.batches += 1
@@ -81,13 +98,16 @@ def _async_batcher_class() -> type[Any]:
 class AsyncBatcherPeer:
     """``async-batcher`` around :meth:`Pipeline.forward`. Create and use it inside one loop."""
 
-    def __init__(self, pipeline: Pipeline, max_batch_size: int, max_wait_ms: float) -> None:
+    def __init__(
+        self, pipeline: Pipeline, max_batch_size: int, max_wait_ms: float, executor: Executor
+    ) -> None:
         self.pipeline = pipeline
         self._batcher = _async_batcher_class()(
             pipeline.forward,
             max_batch_size=max(max_batch_size, 2),  # it refuses 1
             max_queue_time=max_wait_ms / 1000.0,
             concurrency=1,
+            executor=executor,
         )
 
     async def predict(self, body: str) -> str:
@@ -108,8 +128,10 @@ class QueueBatcher:
         fn: Callable[[list[Any]], Sequence[Any]],
         max_batch_size: int,
         max_wait_ms: float,
+        executor: Executor | None = None,
     ) -> None:
         self.fn = fn
+        self.executor = executor
         self.max_batch_size = max_batch_size
         self.max_wait = max_wait_ms / 1000.0
         self.queue: asyncio.Queue[tuple[Any, asyncio.Future[Any]]] = asyncio.Queue()
@@ -138,7 +160,7 @@ class QueueBatcher:
                     break
             items = [item for item, _ in batch]
             try:
-                results = await loop.run_in_executor(None, self.fn, items)
+                results = await loop.run_in_executor(self.executor, self.fn, items)
             except Exception as exc:
                 for _, future in batch:
                     if not future.done():
@@ -159,9 +181,11 @@ class QueueBatcher:
 class QueueBatcherPeer:
     """:class:`QueueBatcher` around :meth:`Pipeline.forward`."""
 
-    def __init__(self, pipeline: Pipeline, max_batch_size: int, max_wait_ms: float) -> None:
+    def __init__(
+        self, pipeline: Pipeline, max_batch_size: int, max_wait_ms: float, executor: Executor
+    ) -> None:
         self.pipeline = pipeline
-        self._batcher = QueueBatcher(pipeline.forward, max_batch_size, max_wait_ms)
+        self._batcher = QueueBatcher(pipeline.forward, max_batch_size, max_wait_ms, executor)
 
     async def predict(self, body: str) -> str:
         request, tile = await asyncio.to_thread(self.pipeline.prepare, body)
