@@ -163,7 +163,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
 def run(args: argparse.Namespace) -> int:
     """Run ``histoinfer bench``; print where the outputs are, and the targets' results."""
     from .report import write_outputs
-    from .runner import run_bench
+    from .runner import run_bench, verdict
 
     cfg = config_from_args(args)
 
@@ -180,14 +180,10 @@ def run(args: argparse.Namespace) -> int:
     for section in ("throughput", "overhead", "latency"):
         for check in report.get(section, {}).get("checks", []):
             value = "–" if check["value"] is None else f"{check['value']:.3f}"
-            verdict = {True: "met", False: "NOT met", None: "not measured"}[check["met"]]
+            result = verdict(check)
             sign = ">=" if check["higher_is_better"] else "<="
-            if check.get("within_noise"):
-                verdict += f" (within the ±{check['noise']:.1%} noise floor)"
-            print(
-                f"  #{check['issue']} {check['name']}: {value} ({sign} {check['target']:g}) "
-                f"{verdict}"
-            )
+            issue = f"#{check['issue']} " if check["issue"] else ""
+            print(f"  {issue}{check['name']}: {value} ({sign} {check['target']:g}) {result}")
     for floor in report.get("throughput", {}).get("noise_floor", []):
         print(
             f"  noise floor ({floor['model']}, {floor['concurrency']} in flight): identical "

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .runner import verdict
+
 __all__ = ["markdown", "write_outputs"]
 
 
@@ -32,10 +34,6 @@ def _load(values: list[float] | None) -> str:
 
 def _mode(row: dict[str, Any]) -> str:
     return str(row.get("mode", "predict"))  # reports written before --modes have none
-
-
-def _met(met: bool | None) -> str:
-    return {True: "**met**", False: "not met", None: "not measured"}[met]
 
 
 _CPU_SPLIT_HEADER = "of which forward / main / other"
@@ -70,10 +68,9 @@ def _checks_table(checks: list[dict[str, Any]]) -> list[str]:
     for c in checks:
         bound = ("≥ " if c["higher_is_better"] else "≤ ") + f"{c['target']:g}"
         rounds = ", ".join(f"{v:.2f}" for v in c["per_round"])
-        value, met = _num(c["value"], 3), _met(c["met"])
-        if c.get("within_noise"):
-            met += f" (within the ±{c['noise']:.1%} noise floor)"
-        rows.append([c["name"], f"#{c['issue']}", value, bound, rounds, met, c["detail"]])
+        result = verdict(c).replace("met", "**met**", 1) if c["met"] else verdict(c)
+        issue = f"#{c['issue']}" if c["issue"] else "–"
+        rows.append([c["name"], issue, _num(c["value"], 3), bound, rounds, result, c["detail"]])
     return _table(headers, rows)
 
 
