@@ -57,6 +57,7 @@ class OpenPath:
         }
 
     def measure(self, n: int, concurrency: int, mode: Mode = "predict") -> Sample:
+        self.path.get_ready(self.bodies[:n], concurrency, mode)
         server0, threads0 = self.path.external_cpu_s(), thread_cpu_clocks()
         process0 = time.process_time()
         sample = self.path.measure(self.bodies[:n], concurrency, mode)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import anyio
+import anyio.from_thread
 import torch
 
 from ..clients.inprocess import InProcessClient
@@ -79,6 +80,10 @@ class BenchPath(ABC):
     def external_cpu_s(self) -> float:
         """CPU seconds used so far by processes of this path other than ours (a server)."""
         return 0.0
+
+    def get_ready(self, bodies: Sequence[str], concurrency: int, mode: Mode) -> None:  # noqa: B027
+        """Before a measurement, outside its clocks (wall and CPU): what a long-running user
+        would have done already (the HTTP path opens its connections)."""
 
     @property
     def external(self) -> bool:
@@ -259,13 +264,10 @@ class SyncThreads(_ClientPath):
 
 class _PeerPath(BenchPath):
     """An external batcher running our pipeline, created fresh in each measurement's loop; its
-    forward thread lives as long as the path, as our device thread does (bench/peers.py)."""
+    forward passes run on our device's thread (bench/peers.py says why)."""
 
     def open(self) -> None:
-        self.forward_thread = forward_thread()
-
-    def close(self) -> None:
-        self.forward_thread.shutdown()
+        self.forward_thread = forward_thread(self.ctx.server_model)
 
     @abstractmethod
     def make_peer(self, pipeline: Pipeline) -> AsyncBatcherPeer | QueueBatcherPeer: ...
@@ -332,24 +334,36 @@ class HttpLoopback(BenchPath):
             model=self.model,
         )
         self.note = f"client: histoinfer.HttpClient; server: {' '.join(self.server.command[1:])}"
+        # One client on one event loop for the path's life, as a service keeps one: its
+        # connections, opened by the warm-up, stay open across measurements (a client per
+        # measurement timed opening up to 256 connections each time).
+        self._portal_context = anyio.from_thread.start_blocking_portal("asyncio")
+        self._portal = self._portal_context.__enter__()
+        self._client = _http_client(self.server.base_url, self.model)
+        self._connections = 0  # the most requests sent at once so far: connections open
 
     def close(self) -> None:
-        self.server.close()
+        try:
+            self._portal.call(self._client.aclose)
+        finally:
+            self._portal_context.__exit__(None, None, None)
+            self.server.close()
 
     def external_cpu_s(self) -> float:
         return self.server.cpu_s()
 
+    def get_ready(self, bodies: Sequence[str], concurrency: int, mode: Mode) -> None:
+        # As many connections open as the measurement will use, as a service's client has.
+        wanted = min(concurrency, len(bodies))
+        if wanted > self._connections:
+            call = getattr(self._client, f"{mode}_async")
+            self._portal.call(drive_async, call, bodies[:wanted], wanted)
+            self._connections = wanted
+
     def measure(self, bodies: Sequence[str], concurrency: int, mode: Mode) -> Sample:
-        base_url, model = self.server.base_url, self.model
-
-        async def run() -> tuple[float, list[float], list[str | None]]:
-            client = _http_client(base_url, model)
-            async with client:
-                call = getattr(client, f"{mode}_async")
-                return await drive_async(call, bodies, concurrency)
-
+        call = getattr(self._client, f"{mode}_async")
         before = self.server.metrics()
-        wall, latencies, responses = anyio.run(run, backend="asyncio")
+        wall, latencies, responses = self._portal.call(drive_async, call, bodies, concurrency)
         after = self.server.metrics()
         check_responses(responses, self.name)
 

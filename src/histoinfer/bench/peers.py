@@ -10,38 +10,51 @@ forward pass, postprocess + JSON on the loop) so that only the batching machiner
   ``max_wait`` for more with ``asyncio.wait_for(queue.get(), ...)``, and runs the batch in an
   executor. Preparation goes through ``asyncio.to_thread``, as a user would do it.
 
-Both are given what our clients have, so that the comparison is of the batchers: the forward
-passes run on one long-lived thread of their own (:func:`forward_thread`), not in the loop's
-default executor, and as ours run (``models.shards.forward``: a big CPU batch is sharded).
-Sharing the default executor with the decodes, a pass waits behind every decode already queued
-there, so decoding and passes never overlap; and passes landing on whichever executor thread is
-free leave an OpenMP team on each, which slows every small pass (models/device_thread.py).
-Wired that way, the peers measured ~1.3x slower in session 14 (docs/benchmarks-history.md).
+Both are given what our clients have, so that the comparison is of the batchers: their forward
+passes run on the thread that runs ours (the device's thread, models/device_thread.py, behind an
+``Executor``: :func:`forward_thread`), not in the loop's default executor, and as ours run
+(``models.shards.forward``: a big CPU batch is sharded). In the default executor a pass waits
+behind every decode already queued there, so decoding and passes never overlap; and any thread
+other than the device's leaves a second OpenMP team in the process (the model's load-time probe
+ran on the device's), which puts every small pass in the slow regime (~3x for one tile).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, ThreadPoolExecutor
-from typing import Any
+from concurrent.futures import Executor, Future
+from typing import Any, TypeVar
 
 import torch
 
 from ..models import shards
 from ..models.base import SampleOutput, ServerModel
+from ..models.device_thread import DeviceThread, device_thread
 from ..schema import Mode, ModelRequest, parse_request
 
 __all__ = ["AsyncBatcherPeer", "Pipeline", "QueueBatcher", "forward_thread"]
 
+T = TypeVar("T")
 
-def forward_thread() -> ThreadPoolExecutor:
-    """A peer's forward thread: one worker, long-lived (one OpenMP team, as our device thread
-    has). Named like ours, so that its CPU counts as the forward pass's (bench/measure.py)."""
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="histoinfer-device-peer")
+
+class _DeviceExecutor(Executor):
+    """An ``Executor`` whose work runs on a device's thread, one call at a time."""
+
+    def __init__(self, thread: DeviceThread) -> None:
+        self._thread = thread
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        return self._thread.submit(functools.partial(fn, *args, **kwargs))
+
+
+def forward_thread(model: ServerModel) -> Executor:
+    """Where a peer runs its forward passes: the thread that runs our clients' (see above)."""
+    return _DeviceExecutor(device_thread(model.device))
 
 
 class Pipeline:

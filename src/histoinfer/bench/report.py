@@ -32,6 +32,15 @@ def _load(values: list[float] | None) -> str:
     return "–" if not values else "/".join(f"{v:.2f}" for v in values)
 
 
+def _in_flight(row: dict[str, Any]) -> str:
+    """Requests in flight as measured: "all" when every caller sent one (a burst)."""
+    asked = row["concurrency"]
+    real = row.get("in_flight", asked)  # reports written before it was recorded: as asked
+    if real < asked or real == row["tiles"]:
+        return f"{real} (all at once)"
+    return str(real)
+
+
 def _mode(row: dict[str, Any]) -> str:
     return str(row.get("mode", "predict"))  # reports written before --modes have none
 
@@ -161,7 +170,7 @@ def markdown(report: dict[str, Any]) -> str:
         headers = ["model", "path", "mode", "in flight", "tiles", "tiles/s", "p50 ms", "p95 ms"]
         headers += ["p99 ms", "mean batch", "forward busy", "CPU ms/tile", _CPU_SPLIT_HEADER]
         rows = [
-            [row["model"], row["path"], _mode(row), str(row["concurrency"])]
+            [row["model"], row["path"], _mode(row), _in_flight(row)]
             + [str(row["tiles"])]
             + [f"{row['throughput']:.1f}"]
             + [f"{row['latency_ms'][q]:.1f}" for q in ("p50", "p95", "p99")]

@@ -89,6 +89,18 @@ class BenchConfig:
         total = self.small_tiles if model == "small" else self.tiles
         return min(total, max(self.min_tiles, 8 * level))
 
+    def in_flight(self, model: str, level: int) -> int:
+        """Requests really in flight at ``level``: no more than the measurement's tiles."""
+        return min(level, self.tiles_at(model, level))
+
+    def describe_level(self, model: str, level: int) -> str:
+        """``level`` as measured: "512 tiles, all at once" when each caller sends one (a
+        burst, not a steady state), else "512 tiles, 8 in flight"."""
+        tiles, in_flight = self.tiles_at(model, level), self.in_flight(model, level)
+        if in_flight == tiles:
+            return f"{tiles} tiles, all at once" + (f" ({level} asked)" if level > tiles else "")
+        return f"{tiles} tiles, {in_flight} in flight"
+
 
 #: the noise floor: a path measured against an identical copy of itself in another process
 TWIN = ("dynamic-asyncio-twin", "dynamic-asyncio")
@@ -288,7 +300,7 @@ def throughput_checks(samples: Samples, cfg: BenchConfig) -> list[Check]:
             return  # not asked for (a script measuring some paths only)
         mode = cfg.modes_of(model)[0]
         rounds = _paired(samples, model, mode, num, den, level)
-        detail = f"{model} model, {mode}, {cfg.tiles_at(model, level)} tiles, {level} in flight"
+        detail = f"{model} model, {mode}, {cfg.describe_level(model, level)}"
         if not rounds:
             detail += f" (not measured: {num} or {den} missing)"
         checks.append(Check(name, issue, _median(rounds), target, True, rounds, detail))
@@ -317,8 +329,7 @@ def throughput_checks(samples: Samples, cfg: BenchConfig) -> list[Check]:
                 0.95,
                 True,
                 busy,
-                f"small model, {cfg.modes_of('small')[0]}, {cfg.tiles_at('small', top)} tiles, "
-                f"{top} in flight",
+                f"small model, {cfg.modes_of('small')[0]}, {cfg.describe_level('small', top)}",
             )
         )
     return checks
@@ -449,6 +460,7 @@ def run_throughput(
                             "mode": mode,
                             "label": handle.info["label"],
                             "concurrency": level,
+                            "in_flight": cfg.in_flight(size, level),
                             **summarize(samples[(size, name, mode, level)]),
                         }
                     )
