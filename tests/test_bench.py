@@ -534,3 +534,57 @@ def test_a_target_is_decided_only_when_every_round_falls_on_one_side_of_it() -> 
     samples[("tiny", "explicit", "predict", 8)] = []
     missing = throughput_checks(samples, cfg)[0].as_dict()
     assert missing["decided"] is None and verdict(missing) == "not measured"
+
+
+@pytest.mark.parametrize(
+    ("option", "says"),
+    [
+        ("--tiles=0", "at least 1"),
+        ("--rounds=-2", "at least 1"),
+        ("--max-batch-size=0", "at least 1"),
+        ("--max-wait-ms=nan", "finite number >= 0"),
+        ("--max-wait-ms=-1", "finite number >= 0"),
+        ("--seed=-1", "seed of at least 0"),
+        ("--tiles=many", "whole number"),
+    ],
+)
+def test_cli_refuses_counts_that_would_measure_something_else(
+    option: str, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # --tiles -5 sliced the cached bodies with [:-5]; --rounds 0 failed after the warm-up.
+    from histoinfer.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", option])
+    assert exited.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def test_a_failing_suite_leaves_the_others_and_a_report(
+    workdir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from histoinfer.bench import runner
+    from histoinfer.cli import main
+
+    def broken(*args: object) -> dict[str, object]:
+        raise RuntimeError("a child process died")
+
+    monkeypatch.setattr(runner, "run_latency", broken)
+    calls: list[object] = []
+    monkeypatch.setattr(
+        runner, "run_overhead", lambda *a: calls.append(a) or {"rows": [], "checks": []}
+    )
+    out = tmp_path / "failed"
+    argv = ["bench", "--suites=latency,overhead", f"--workdir={workdir}", f"--out={out}", "--quiet"]
+    assert main(argv) == 1
+    assert calls  # the suite after the failed one ran
+    data = json.loads((out / "report.json").read_text())
+    assert data["failed"] == [{"suite": "latency", "error": "RuntimeError: a child process died"}]
+    assert (
+        "**The latency suite failed**: RuntimeError: a child process died"
+        in (out / "report.md").read_text()
+    )
+    assert "FAILED: the latency suite" in capsys.readouterr().err

@@ -34,6 +34,37 @@ def _ints(text: str) -> tuple[int, ...]:
     return values
 
 
+def _whole(text: str, least: int, what: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"expected {what} of at least {least}, got {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    """A whole number of at least 1 (tiles, rounds, a batch size)."""
+    return _whole(text, 1, "a number")
+
+
+def _seed(text: str) -> int:
+    return _whole(text, 0, "a seed")
+
+
+def _milliseconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of milliseconds, got {text!r}"
+        ) from None
+    if not (0 <= value < float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
 def _names(text: str) -> tuple[str, ...]:
     return tuple(v.strip() for v in text.split(",") if v.strip())
 
@@ -80,11 +111,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--levels", type=_ints, default=None, help="requests in flight, e.g. 1,8,64"
     )
-    parser.add_argument("--tiles", type=int, default=None, help="tiles per measurement")
-    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds")
-    parser.add_argument("--max-batch-size", type=int, default=None)
-    parser.add_argument("--max-wait-ms", type=float, default=None)
-    parser.add_argument("--seed", type=int, default=None, help="seed of the request bodies")
+    parser.add_argument("--tiles", type=_count, default=None, help="tiles per measurement")
+    parser.add_argument("--rounds", type=_count, default=None, help="interleaved rounds")
+    parser.add_argument("--max-batch-size", type=_count, default=None)
+    parser.add_argument("--max-wait-ms", type=_milliseconds, default=None)
+    parser.add_argument(
+        "--seed", type=_seed, default=None, help="seed of the request bodies and the rounds' order"
+    )
     parser.add_argument(
         "--dtype",
         choices=REFERENCE_DTYPES,
@@ -177,6 +210,8 @@ def run(args: argparse.Namespace) -> int:
     report = run_bench(cfg, log, command)
     for path in write_outputs(report, args.out):
         print(f"wrote {path}")
+    for failure in report.get("failed", []):
+        print(f"  FAILED: the {failure['suite']} suite: {failure['error']}", file=sys.stderr)
     for section in ("throughput", "overhead", "latency"):
         for check in report.get(section, {}).get("checks", []):
             value = "–" if check["value"] is None else f"{check['value']:.3f}"
@@ -190,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
             f"processes differed by up to {floor['spread']:.1%} a round"
         )
     print(f"done in {report['seconds']} s")
-    return 0
+    return 1 if report.get("failed") else 0
 
 
 def main(

@@ -164,6 +164,8 @@ def markdown(report: dict[str, Any]) -> str:
         "format and costs, but outputs that mean nothing biologically.",
         "",
     ]
+    for failure in report.get("failed", []):
+        out += [f"**The {failure['suite']} suite failed**: {failure['error']}", ""]
     checks: list[dict[str, Any]] = []
     throughput = report.get("throughput")
     if throughput:
@@ -198,6 +200,8 @@ def markdown(report: dict[str, Any]) -> str:
             for row in overhead["rows"]
         ]
         out += ["## Scheduler overhead (no-op batch function)", "", *_table(headers, rows)]
+        for skip in overhead.get("skipped", []):
+            out += [f"- skipped `{skip['variant']}`: {skip['reason']}", ""]
         checks += overhead["checks"]
     latency = report.get("latency")
     if latency:

@@ -512,10 +512,14 @@ def noise_floor(samples: Samples, cfg: BenchConfig) -> list[dict[str, Any]]:
 
 def run_overhead(cfg: BenchConfig, log: Log) -> dict[str, Any]:
     variants = list(OVERHEAD_VARIANTS)
+    skipped = []
     try:
         import async_batcher  # noqa: F401
     except ImportError:
         variants = [v for v in variants if not v.startswith("async-batcher")]
+        why = "async-batcher is not installed (pip install 'histoinfer[bench]'): no targets"
+        skipped.append({"variant": "async-batcher", "reason": why})
+        log(f"[overhead] skipping async-batcher: {why}")
     samples: dict[tuple[str, int], list[Sample]] = {}
     for variant in variants:  # warm-up
         measure_overhead(variant, OverheadConfig(requests=1000, concurrency=64))
@@ -560,7 +564,7 @@ def run_overhead(cfg: BenchConfig, log: Log) -> dict[str, Any]:
             1.0,
             "scheduler / async-batcher with async no-op",
         )
-    return {"rows": rows, "checks": [c.as_dict() for c in checks]}
+    return {"rows": rows, "checks": [c.as_dict() for c in checks], "skipped": skipped}
 
 
 def run_latency(
@@ -675,6 +679,12 @@ def environment() -> dict[str, Any]:
     }
 
 
+def _run_profile(cfg: BenchConfig, log: Log) -> dict[str, Any]:
+    from .profile import run_profile
+
+    return run_profile(cfg, log)
+
+
 def run_bench(cfg: BenchConfig, log: Log, command: str = "histoinfer bench") -> dict[str, Any]:
     """Run the configured suites; return the whole report (what ``report.json`` holds)."""
     started = time.perf_counter()
@@ -684,16 +694,23 @@ def run_bench(cfg: BenchConfig, log: Log, command: str = "histoinfer bench") -> 
         "config": asdict(cfg),
         "environment": environment(),
     }
-    if "throughput" in cfg.suites:
-        report["throughput"] = run_throughput(cfg, log, report["environment"])
-    if "overhead" in cfg.suites:
-        report["overhead"] = run_overhead(cfg, log)
-    if "latency" in cfg.suites:
-        report["latency"] = run_latency(cfg, log, report["environment"])
-    if "profile" in cfg.suites:
-        from .profile import run_profile
-
-        report["profile"] = run_profile(cfg, log)
+    suites: dict[str, Callable[[], dict[str, Any]]] = {
+        "throughput": lambda: run_throughput(cfg, log, report["environment"]),
+        "overhead": lambda: run_overhead(cfg, log),
+        "latency": lambda: run_latency(cfg, log, report["environment"]),
+        "profile": lambda: _run_profile(cfg, log),
+    }
+    for suite, run in suites.items():
+        if suite not in cfg.suites:
+            continue
+        try:
+            report[suite] = run()
+        except Exception as exc:
+            # The other suites still run, and what ran is written: a run is long.
+            log(f"[{suite}] failed: {type(exc).__name__}: {exc}")
+            report.setdefault("failed", []).append(
+                {"suite": suite, "error": f"{type(exc).__name__}: {exc}"}
+            )
     env = report["environment"]
     if "torch" not in env:  # no child with a model (the overhead or profile suite alone, HTTP)
         from .children import torch_environment
