@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -588,3 +589,24 @@ def test_a_failing_suite_leaves_the_others_and_a_report(
         in (out / "report.md").read_text()
     )
     assert "FAILED: the latency suite" in capsys.readouterr().err
+
+
+def test_responses_must_carry_their_own_tiles_numbers() -> None:
+    # Rows crossed inside a batch keep their patch_idx (it comes from the request): the
+    # numbers are what tell.
+    mine, other = [0.5, -0.25], [0.49, -0.2]
+    responses = [json.dumps({"patch_idx": i, "output": v}) for i, v in enumerate([mine, other])]
+    expected = [{"output": mine}, {"output": other}]
+    check_responses(responses, "path", expected)
+    check_responses(responses[:1], "path", expected)  # fewer responses than references
+    nearly = [json.dumps({"patch_idx": 0, "output": [0.5 + 5e-5, -0.25]})]
+    check_responses(nearly, "path", expected)  # another batch size's summation order
+    crossed = [json.dumps({"patch_idx": i, "output": v}) for i, v in enumerate([other, mine])]
+    says = re.escape("response 0's 'output' is not its tile's: 0.05 away")
+    with pytest.raises(RuntimeError, match=says):
+        check_responses(crossed, "path", expected)
+    short = [json.dumps({"patch_idx": 0, "output": [0.5]})]
+    with pytest.raises(RuntimeError, match="not its tile's: inf away"):
+        check_responses(short, "path", expected)
+    with pytest.raises(RuntimeError, match="'embedding' is not its tile's"):
+        check_responses(responses[:1], "path", [{"output": mine, "embedding": [1.0]}])

@@ -7,6 +7,7 @@ torch; the child imports this module, builds its object and answers ``measure`` 
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -16,10 +17,11 @@ from typing import Any
 import torch
 
 from ..models import ServerModel, build_server_model, png, shards
+from ..models.device_thread import device_thread
 from ..schema import Mode, parse_request
 from .isolation import Unavailable
 from .latency import LoneLatency
-from .measure import Sample, cpu_split, thread_cpu_clocks
+from .measure import Expected, Sample, cpu_split, thread_cpu_clocks
 from .paths import PATHS, BenchContext, BenchPath, make_paths
 from .runner import PathSpec, load_bodies
 
@@ -54,7 +56,25 @@ class OpenPath:
             "environment": torch_environment(),
             # how its program ran (TorchScript's interpreter or an fx module: models/scripted.py)
             "program_runner": model.runner if model is not None else None,
+            "has_model": model is not None,
         }
+
+    def reference(self, n: int, mode: Mode) -> list[Expected]:
+        """The first ``n`` bodies' response numbers, each tile run alone on the device's
+        thread: what every path's responses must hold (``measure.check_responses``)."""
+        model = self.path.ctx.server_model
+        expected = []
+        for body in self.bodies[:n]:
+            request = parse_request(body)
+            tile = model.prepare_sample(request)
+            [output] = device_thread(model.device).call(model.forward_tiles, [tile], mode).split()
+            response = json.loads(model.response_json(request, output, mode))
+            expected.append({k: response[k] for k in ("output", "embedding") if k in response})
+        return expected
+
+    def expect(self, expected: dict[str, list[Expected]]) -> None:
+        """From now on, check responses against ``expected`` (by mode; see ``reference``)."""
+        self.path.ctx.expected.update(expected)
 
     def measure(self, n: int, concurrency: int, mode: Mode = "predict") -> Sample:
         self.path.get_ready(self.bodies[:n], concurrency, mode)

@@ -8,6 +8,8 @@ forward pass was busy.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
 import sys
@@ -22,6 +24,8 @@ import anyio
 __all__ = [
     "CPU_ROLES",
     "NATIVE_THREAD",
+    "OUTPUT_TOLERANCE",
+    "Expected",
     "Sample",
     "ThreadClock",
     "check_responses",
@@ -186,9 +190,21 @@ def p50_ms(latencies: Sequence[float]) -> float:
 
 _PATCH_IDX = re.compile(r'"patch_idx":\s*(\d+)')
 
+#: How far a response's numbers may be from the same tile's, run alone, in float32: the CPU
+#: kernels sum in another order at another batch size (~1e-7 seen), and two of the bench's
+#: tiles differ by at least ~8e-3 (the tiny model's predictions).
+OUTPUT_TOLERANCE = 1e-4
 
-def check_responses(responses: Sequence[str | None], path: str) -> None:
-    """Every response is there and answers its own request (body ``i`` has ``patch_idx == i``).
+#: A tile's expected response numbers, by response field (``output``, ``embedding``)
+Expected = dict[str, list[float]]
+
+
+def check_responses(
+    responses: Sequence[str | None], path: str, expected: Sequence[Expected] | None = None
+) -> None:
+    """Every response is there and answers its own request (body ``i`` has ``patch_idx == i``),
+    and the first ``len(expected)`` carry the numbers of their own tile, run alone (rows crossed
+    inside a batch would keep their ``patch_idx``, which comes from the request).
 
     A benchmark that loses or crosses responses measures nothing: this runs after every
     measurement, outside the timed section.
@@ -199,6 +215,22 @@ def check_responses(responses: Sequence[str | None], path: str) -> None:
         match = _PATCH_IDX.search(response)
         if match is None or int(match.group(1)) != i:
             raise RuntimeError(f"{path}: response {i} does not answer request {i}")
+    for i, fields in enumerate((expected or [])[: len(responses)]):
+        got = json.loads(responses[i] or "{}")
+        for name, values in fields.items():
+            off = _farthest(got.get(name), values)
+            if off > OUTPUT_TOLERANCE:
+                raise RuntimeError(
+                    f"{path}: response {i}'s {name!r} is not its tile's: {off:.2g} away from "
+                    "the same tile run alone"
+                )
+
+
+def _farthest(got: object, expected: list[float]) -> float:
+    """The largest difference between two lists of numbers (infinite if they do not match)."""
+    if not isinstance(got, list) or len(got) != len(expected):
+        return math.inf
+    return max((abs(a - b) for a, b in zip(got, expected, strict=True)), default=0.0)
 
 
 async def drive_async(

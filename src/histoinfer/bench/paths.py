@@ -12,7 +12,7 @@ import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -26,7 +26,7 @@ from ..models.base import ServerModel
 from ..models.device_thread import device_thread
 from ..schema import Mode
 from .loopback import ServerProcess, http_unavailable
-from .measure import Sample, check_responses, drive_async, drive_threads
+from .measure import Expected, Sample, check_responses, drive_async, drive_threads
 from .peers import AsyncBatcherPeer, Pipeline, QueueBatcherPeer, forward_thread
 
 __all__ = ["PATHS", "BenchContext", "BenchPath", "make_paths"]
@@ -44,6 +44,8 @@ class BenchContext:
     max_wait_ms: float
     #: body index -> prepared uint8 tile, for the raw path (filled by the runner).
     tiles: list[torch.Tensor]
+    #: by mode, what the first bodies' responses must hold (``OpenPath.reference``)
+    expected: dict[str, list[Expected]] = field(default_factory=dict)
 
     @property
     def server_model(self) -> ServerModel:
@@ -158,7 +160,7 @@ class _ClientPath(BenchPath):
         before = self.client.stats()[mode]
         wall, latencies, responses = run()
         after = self.client.stats()[mode]
-        check_responses(responses, self.name)
+        check_responses(responses, self.name, self.ctx.expected.get(mode))
         return Sample(
             len(responses),
             wall,
@@ -284,7 +286,7 @@ class _PeerPath(BenchPath):
 
         wall, latencies, responses = anyio.run(run, backend="asyncio")
         batches, samples, forward_s = pipeline.counters()
-        check_responses(responses, self.name)
+        check_responses(responses, self.name, self.ctx.expected.get(mode))
         return Sample(len(bodies), wall, latencies, batches, samples, forward_s)
 
 
@@ -365,7 +367,7 @@ class HttpLoopback(BenchPath):
         before = self.server.metrics()
         wall, latencies, responses = self._portal.call(drive_async, call, bodies, concurrency)
         after = self.server.metrics()
-        check_responses(responses, self.name)
+        check_responses(responses, self.name, self.ctx.expected.get(mode))
 
         def delta(key: str) -> float | None:
             if key not in before or key not in after:

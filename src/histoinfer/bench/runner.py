@@ -427,6 +427,7 @@ def run_throughput(
                     notes.append({"model": size, "path": spec.name, "note": handle.info["note"]})
             log(f"[{size}] {len(paths)} paths started, each in a process of its own")
             _note_environment(environment, size, [handle for _, handle in paths])
+            _expect_references(cfg, size, n, modes, [handle for _, handle in paths])
             warm = min(n, 2 * cfg.max_batch_size)
             for _, handle in paths:  # warm thread pools, kernels and connections; discarded
                 handle.call("measure", warm, max(levels), modes[0])
@@ -471,6 +472,30 @@ def run_throughput(
         "checks": [c.as_dict() for c in throughput_checks(samples, cfg)],
         "noise_floor": noise_floor(samples, cfg),
     }
+
+
+#: the bodies whose responses every path must answer with their own tile's numbers
+REFERENCE_TILES = 16
+
+
+def _expect_references(
+    cfg: BenchConfig,
+    size: str,
+    bodies: int,
+    modes: Sequence[Mode],
+    handles: Sequence[Isolated | Local],
+) -> None:
+    """Have every path check that its responses carry their own tiles' numbers (rows crossed
+    inside a batch keep their ``patch_idx``), against each tile run alone in one of them. In
+    float32 only: in bfloat16 one rounding step of the tiny model's predictions (~4e-3) is
+    about as far as two of the bench's tiles are apart (~7e-3)."""
+    referee = next((h for h in handles if h.info.get("has_model")), None)
+    if cfg.dtype != "float32" or referee is None:
+        return
+    n = min(bodies, REFERENCE_TILES)
+    expected = {mode: referee.call("reference", n, mode) for mode in modes}
+    for handle in handles:
+        handle.call("expect", expected)
 
 
 def _shuffled(items: Sequence[T], seed: int, *where: object) -> list[T]:
