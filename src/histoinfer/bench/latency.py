@@ -2,10 +2,10 @@
 
 The scheduler must not hold a lone request for its whole window. Compared, in each round:
 
-* ``raw-forward-1``: ``forward_batch`` of one pre-decoded tile (the model alone), with the
-  same pause between calls as the callers below: a pass after a pause takes ~0.3 ms longer
-  than one straight after another (caches, the CPU's idle states), and a lone request always
-  comes after a pause;
+* ``raw-forward-1``: ``forward_tiles`` of one pre-decoded tile (the model alone, the pass a
+  lone request gets), with the same pause between calls as the callers below: a pass after a
+  pause takes ~0.3 ms longer than one straight after another (caches, the CPU's idle states),
+  and a lone request always comes after a pause;
 * ``raw-forward-1-hot``: the same, calls back to back (the model's best case);
 * ``pipeline-1``: ``predict_batch([body])`` on an explicit client (the same request's whole
   work, parse to JSON, with no scheduler and one hop, to the device's thread and back);
@@ -53,14 +53,14 @@ class LoneLatency:
         clock = time.perf_counter
         n = len(self.bodies)
         if variant.startswith("raw-forward-1"):
-            batches = [self.tiles[i % n].unsqueeze(0) for i in range(calls)]
+            batches = [[self.tiles[i % n]] for i in range(calls)]
             pause = 0.0 if variant.endswith("-hot") else PAUSE_S
 
             def forward_each() -> list[float]:
                 out = []
                 for batch in batches:
                     t0 = clock()
-                    self.model.forward_batch(batch, "predict")
+                    self.model.forward_tiles(batch, "predict")  # what a lone request's pass runs
                     out.append(clock() - t0)
                     if pause:
                         time.sleep(pause)

@@ -103,7 +103,11 @@ def _chunks(n: int, size: int) -> list[range]:
 class RawForward(BenchPath):
     """The forward pass over pre-decoded, pre-stacked tiles: the limit, no request handling.
 
-    Run as the clients run it (``models.shards.forward``: a big enough CPU batch is sharded)."""
+    Run as the clients run it: ``models.shards.forward`` (a big enough CPU batch is sharded)
+    of the batch's rows, which ``ServerModel.forward_tiles`` normalizes straight into the
+    float batch. A stacked batch would take ``forward_batch``'s three passes over memory
+    instead: a batch of 64 of the tiny model 1.52-1.55 ms a tile against 1.43-1.49 (session
+    15), so the limit ran below the clients' own passes."""
 
     name = "raw"
     label = "raw forward (pre-stacked tensors)"
@@ -120,7 +124,8 @@ class RawForward(BenchPath):
             # Stacked here, before the clock: a torch op on any other thread (this process's
             # main thread) would leave a second OpenMP team in the process, and every small
             # pass would run in the slow regime (models/device_thread.py): ~3x for one tile.
-            batches = [torch.stack([tiles[i] for i in r]) for r in _chunks(len(bodies), chunk)]
+            stacks = [torch.stack([tiles[i] for i in r]) for r in _chunks(len(bodies), chunk)]
+            batches = [list(stack) for stack in stacks]  # its rows: views, no copy
             started = clock()
             for batch in batches:
                 t0 = clock()
