@@ -44,11 +44,12 @@ from histoinfer.bench.runner import (
     Samples,
     noise_floor,
     quick_config,
+    reference_indices,
     run_bench,
     throughput_checks,
     verdict,
 )
-from histoinfer.models import png, shards
+from histoinfer.models import ServerModel, png, shards
 
 #: the smoke test's paths: all but the slow to start (HTTP) and the many-threaded
 PATHS = tuple(p for p in PATH_NAMES if p not in ("http", "sync-threads", "bs1-asyncio", "bs1-trio"))
@@ -120,6 +121,13 @@ def test_cpu_split_attributes_each_thread_to_its_role() -> None:
         "other": 1.0,
     }
     assert cpu_split(None, after, process_s=1.0) is None
+    # a path whose event loop runs in a thread of its own (HTTP): that thread is its "main"
+    looped = {**after, 3: clock("w", 1.0, 3)}
+    assert cpu_split(before, looped, process_s=2.0, main_thread=3) == {
+        "forward": 1.1875,
+        "main": 0.5,
+        "other": 0.3125,
+    }
 
 
 @pytest.mark.skipif(sys.platform != "linux" or torch.get_num_threads() < 2, reason="OpenMP team")
@@ -529,9 +537,16 @@ def test_a_target_is_decided_only_when_every_round_falls_on_one_side_of_it() -> 
     far = checks[("dynamic / explicit loop", "3")]  # the same against 1.0
     assert near["value"] == pytest.approx(1.25) and near["met"] is False
     assert near["rounds_met"] == 1 and near["decided"] is False
-    assert verdict(near) == "not met by the median, but in 1 of 3 rounds only: not decided"
-    assert far["met"] is True and far["rounds_met"] == 3 and far["decided"] is True
-    assert verdict(far) == "met (every round: 3 of 3)"
+    assert verdict(near) == "not met by the median; met in 1 of 3 rounds: not decided"
+    # Three rounds on one side happen 1 time in 4 by chance: too few to decide.
+    assert far["met"] is True and far["rounds_met"] == 3 and far["decided"] is False
+    assert verdict(far) == "met in every round (3 of 3); too few rounds to decide"
+    five = [sample(500)] * 5
+    samples[("tiny", "dynamic-asyncio", "predict", 8)] = five
+    samples[("tiny", "explicit", "predict", 8)] = [sample(400)] * 5
+    checks = {(c.name, c.issue): c.as_dict() for c in throughput_checks(samples, cfg)}
+    assert verdict(checks[("dynamic / explicit loop", "3")]) == "met in every round (5 of 5)"
+    assert verdict(checks[("dynamic / explicit loop", "5")]) == "not met in any round (0 of 5)"
     samples[("tiny", "explicit", "predict", 8)] = []
     missing = throughput_checks(samples, cfg)[0].as_dict()
     assert missing["decided"] is None and verdict(missing) == "not measured"
@@ -573,22 +588,27 @@ def test_a_failing_suite_leaves_the_others_and_a_report(
     def broken(*args: object) -> dict[str, object]:
         raise RuntimeError("a child process died")
 
-    monkeypatch.setattr(runner, "run_latency", broken)
+    # The suites run in a fixed order (throughput, overhead, latency): the one after the
+    # failed one must still run.
+    monkeypatch.setattr(runner, "run_overhead", broken)
     calls: list[object] = []
-    monkeypatch.setattr(
-        runner, "run_overhead", lambda *a: calls.append(a) or {"rows": [], "checks": []}
-    )
+
+    def latency(*args: object) -> dict[str, object]:
+        calls.append(args)
+        return {"rows": [], "checks": []}
+
+    monkeypatch.setattr(runner, "run_latency", latency)
     out = tmp_path / "failed"
     argv = ["bench", "--suites=latency,overhead", f"--workdir={workdir}", f"--out={out}", "--quiet"]
     assert main(argv) == 1
     assert calls  # the suite after the failed one ran
     data = json.loads((out / "report.json").read_text())
-    assert data["failed"] == [{"suite": "latency", "error": "RuntimeError: a child process died"}]
+    assert data["failed"] == [{"suite": "overhead", "error": "RuntimeError: a child process died"}]
     assert (
-        "**The latency suite failed**: RuntimeError: a child process died"
+        "**The overhead suite failed**: RuntimeError: a child process died"
         in (out / "report.md").read_text()
     )
-    assert "FAILED: the latency suite" in capsys.readouterr().err
+    assert "FAILED: the overhead suite" in capsys.readouterr().err
 
 
 def test_responses_must_carry_their_own_tiles_numbers() -> None:
@@ -596,7 +616,7 @@ def test_responses_must_carry_their_own_tiles_numbers() -> None:
     # numbers are what tell.
     mine, other = [0.5, -0.25], [0.49, -0.2]
     responses = [json.dumps({"patch_idx": i, "output": v}) for i, v in enumerate([mine, other])]
-    expected = [{"output": mine}, {"output": other}]
+    expected = {0: {"output": mine}, 1: {"output": other}}
     check_responses(responses, "path", expected)
     check_responses(responses[:1], "path", expected)  # fewer responses than references
     nearly = [json.dumps({"patch_idx": 0, "output": [0.5 + 5e-5, -0.25]})]
@@ -609,4 +629,49 @@ def test_responses_must_carry_their_own_tiles_numbers() -> None:
     with pytest.raises(RuntimeError, match="not its tile's: inf away"):
         check_responses(short, "path", expected)
     with pytest.raises(RuntimeError, match="'embedding' is not its tile's"):
-        check_responses(responses[:1], "path", [{"output": mine, "embedding": [1.0]}])
+        check_responses(responses[:1], "path", {0: {"output": mine, "embedding": [1.0]}})
+    nan = [json.dumps({"patch_idx": 0, "output": [float("nan"), -0.25]})]
+    with pytest.raises(RuntimeError, match="not its tile's: nan away"):
+        check_responses(nan, "path", expected)
+    # Which bodies are checked: both ends, and a spread between (every batch, every shard).
+    assert reference_indices(8) == list(range(8))
+    picked = reference_indices(512)
+    assert picked[:16] == list(range(16)) and picked[-16:] == list(range(496, 512))
+    assert set(range(0, 512, 16)) <= set(picked) and len(picked) == 62
+
+
+def test_each_round_runs_in_an_order_of_its_own_the_same_in_every_run() -> None:
+    from histoinfer.bench.runner import _shuffled
+
+    names = [f"path-{i}" for i in range(12)]
+    orders = [_shuffled(names, 0, r, "predict", 512) for r in range(5)]
+    assert all(sorted(order) == sorted(names) for order in orders)
+    assert len({tuple(order) for order in orders}) == 5  # not one order, nor a rotation of it
+    assert orders == [_shuffled(names, 0, r, "predict", 512) for r in range(5)]  # seeded
+    assert _shuffled(names, 1, 0, "predict", 512) != orders[0]
+
+
+def test_the_peers_pass_on_the_thread_our_clients_pass_on(tiny_model: ServerModel) -> None:
+    # Anywhere else, a second OpenMP team in the process slows every small pass (~3x).
+    from histoinfer.bench.peers import forward_thread
+    from histoinfer.models.device_thread import device_thread
+
+    executor = forward_thread(tiny_model)
+    ran_on = executor.submit(threading.get_ident).result(timeout=30)
+    assert ran_on == device_thread(tiny_model.device).ident
+
+
+def test_the_overhead_suite_says_when_async_batcher_is_missing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from histoinfer.bench.runner import run_overhead
+
+    monkeypatch.setitem(sys.modules, "async_batcher", None)  # import fails
+    cfg = BenchConfig(rounds=1, overhead_levels=(8,), overhead_requests=200)
+    lines: list[str] = []
+    result = run_overhead(cfg, lines.append)
+    assert result["checks"] == []
+    assert {row["variant"] for row in result["rows"]} == {"scheduler-asyncio", "scheduler-trio"}
+    [skip] = result["skipped"]
+    assert skip["variant"] == "async-batcher" and "not installed" in skip["reason"]
+    assert any("skipping async-batcher" in line for line in lines)

@@ -59,20 +59,20 @@ class OpenPath:
             "has_model": model is not None,
         }
 
-    def reference(self, n: int, mode: Mode) -> list[Expected]:
-        """The first ``n`` bodies' response numbers, each tile run alone on the device's
-        thread: what every path's responses must hold (``measure.check_responses``)."""
+    def reference(self, indices: Sequence[int], mode: Mode) -> dict[int, Expected]:
+        """The response numbers of the bodies at ``indices``, each tile run alone on the
+        device's thread: what every path's responses must hold (``measure.check_responses``)."""
         model = self.path.ctx.server_model
-        expected = []
-        for body in self.bodies[:n]:
-            request = parse_request(body)
+        expected = {}
+        for i in indices:
+            request = parse_request(self.bodies[i])
             tile = model.prepare_sample(request)
             [output] = device_thread(model.device).call(model.forward_tiles, [tile], mode).split()
             response = json.loads(model.response_json(request, output, mode))
-            expected.append({k: response[k] for k in ("output", "embedding") if k in response})
+            expected[i] = {k: response[k] for k in ("output", "embedding") if k in response}
         return expected
 
-    def expect(self, expected: dict[str, list[Expected]]) -> None:
+    def expect(self, expected: dict[str, dict[int, Expected]]) -> None:
         """From now on, check responses against ``expected`` (by mode; see ``reference``)."""
         self.path.ctx.expected.update(expected)
 
@@ -83,7 +83,8 @@ class OpenPath:
         sample = self.path.measure(self.bodies[:n], concurrency, mode)
         process_s = time.process_time() - process0
         threads, server_s = thread_cpu_clocks(), self.path.external_cpu_s() - server0
-        split = cpu_split(threads0, threads, process_s, server_s if self.path.external else None)
+        server = server_s if self.path.external else None
+        split = cpu_split(threads0, threads, process_s, server, self.path.loop_thread)
         return replace(sample, cpu_s=process_s + server_s, cpu_split_s=split)
 
     def close(self) -> None:

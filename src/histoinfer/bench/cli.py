@@ -221,7 +221,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {issue}{check['name']}: {value} ({sign} {check['target']:g}) {result}")
     for floor in report.get("throughput", {}).get("noise_floor", []):
         print(
-            f"  noise floor ({floor['model']}, {floor['concurrency']} in flight): identical "
+            f"  noise floor ({floor['model']}, {floor.get('in_flight', floor['concurrency'])} "
+            "in flight): identical "
             f"processes differed by up to {floor['spread']:.1%} a round"
         )
     print(f"done in {report['seconds']} s")

@@ -15,7 +15,7 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -39,7 +39,7 @@ __all__ = [
 #: What a measurement's CPU is split into: ``forward`` (the device's thread and its helpers,
 #: and on Linux torch's own OpenMP workers: the forward passes), ``main`` (the main thread: the
 #: event loop of an async path, the caller of the explicit loop), ``other`` (every other thread
-#: of the process: decoding, the peers' executors, sync callers; threads that ended during the
+#: of the process: decoding, sync callers, the peers' decode threads; threads that ended in the
 #: measurement count here too) and ``server`` (the server process of the HTTP path). Why: two
 #: paths that run the same steps differ in where their extra CPU goes; the total does not say.
 CPU_ROLES = ("forward", "main", "other", "server")
@@ -149,15 +149,18 @@ def cpu_split(
     after: dict[int, ThreadClock] | None,
     process_s: float,
     server_s: float | None = None,
+    main_thread: int | None = None,
 ) -> dict[str, float] | None:
     """A measurement's CPU by role (``CPU_ROLES``), from thread clocks taken around it.
 
     ``process_s`` is this process's CPU over the same span; what the live threads' clocks do
-    not account for (threads that ended meanwhile) counts as ``other``.
+    not account for (threads that ended meanwhile) counts as ``other``. ``main_thread``: the
+    native id of the thread that counts as ``main`` (a path's event loop in a thread of its
+    own), by default the process's main thread.
     """
     if before is None or after is None:
         return None
-    main = threading.main_thread().native_id
+    main = threading.main_thread().native_id if main_thread is None else main_thread
     split = {"forward": 0.0, "main": 0.0}
     for tid, now in after.items():
         then = before.get(tid)
@@ -200,11 +203,11 @@ Expected = dict[str, list[float]]
 
 
 def check_responses(
-    responses: Sequence[str | None], path: str, expected: Sequence[Expected] | None = None
+    responses: Sequence[str | None], path: str, expected: Mapping[int, Expected] | None = None
 ) -> None:
     """Every response is there and answers its own request (body ``i`` has ``patch_idx == i``),
-    and the first ``len(expected)`` carry the numbers of their own tile, run alone (rows crossed
-    inside a batch would keep their ``patch_idx``, which comes from the request).
+    and those to the bodies in ``expected`` carry the numbers of their own tile, run alone
+    (rows crossed inside a batch would keep their ``patch_idx``, which comes from the request).
 
     A benchmark that loses or crosses responses measures nothing: this runs after every
     measurement, outside the timed section.
@@ -215,11 +218,13 @@ def check_responses(
         match = _PATCH_IDX.search(response)
         if match is None or int(match.group(1)) != i:
             raise RuntimeError(f"{path}: response {i} does not answer request {i}")
-    for i, fields in enumerate((expected or [])[: len(responses)]):
+    for i, fields in (expected or {}).items():
+        if i >= len(responses):
+            continue
         got = json.loads(responses[i] or "{}")
         for name, values in fields.items():
             off = _farthest(got.get(name), values)
-            if off > OUTPUT_TOLERANCE:
+            if not off <= OUTPUT_TOLERANCE:  # NaN too
                 raise RuntimeError(
                     f"{path}: response {i}'s {name!r} is not its tile's: {off:.2g} away from "
                     "the same tile run alone"

@@ -9,6 +9,7 @@ requests outstanding.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -44,8 +45,8 @@ class BenchContext:
     max_wait_ms: float
     #: body index -> prepared uint8 tile, for the raw path (filled by the runner).
     tiles: list[torch.Tensor]
-    #: by mode, what the first bodies' responses must hold (``OpenPath.reference``)
-    expected: dict[str, list[Expected]] = field(default_factory=dict)
+    #: by mode and body index, what some bodies' responses must hold (``OpenPath.reference``)
+    expected: dict[str, dict[int, Expected]] = field(default_factory=dict)
 
     @property
     def server_model(self) -> ServerModel:
@@ -68,6 +69,9 @@ class BenchPath(ABC):
         self.ctx = ctx
         #: anything a reader of the results must know about how this path ran
         self.note: str | None = None
+        #: the native id of the thread whose CPU counts as "main" (its event loop), if not the
+        #: process's main thread
+        self.loop_thread: int | None = None
 
     def unavailable(self) -> str | None:
         """Why this path cannot run here, or ``None``."""
@@ -101,7 +105,8 @@ def _chunks(n: int, size: int) -> list[range]:
 
 
 class RawForward(BenchPath):
-    """The forward pass over pre-decoded, pre-stacked tiles: the limit, no request handling.
+    """The forward pass over pre-decoded, pre-stacked tiles (as issue 5 defines the limit):
+    no request handling.
 
     Run as the clients run it: ``models.shards.forward`` (a big enough CPU batch is sharded)
     of the batch's rows, which ``ServerModel.forward_tiles`` normalizes straight into the
@@ -231,8 +236,8 @@ class DynamicAsyncio(DynamicAsync):
 
 class DynamicAsyncioTwin(DynamicAsyncio):
     """``dynamic-asyncio`` again, in a process of its own: how far two identical processes
-    measured in the same rounds differ (the run's noise floor, against which read every
-    ratio)."""
+    measured in the same rounds differ (the run's noise floor: how much a round's ratio moves
+    by chance alone; a target's verdict is read from its own rounds, runner.Check)."""
 
     name = "dynamic-asyncio-twin"
     label = "dynamic batching, asyncio: an identical second process (the noise floor)"
@@ -341,13 +346,18 @@ class HttpLoopback(BenchPath):
             model=self.model,
         )
         self.note = f"client: histoinfer.HttpClient; server: {' '.join(self.server.command[1:])}"
-        # One client on one event loop for the path's life, as a service keeps one: its
-        # connections, opened by the warm-up, stay open across measurements (a client per
-        # measurement timed opening up to 256 connections each time).
+        # One client on one event loop for the path's life, as a service keeps one (a client
+        # per measurement, on a loop of its own, timed opening its connections every time).
         self._portal_context = anyio.from_thread.start_blocking_portal("asyncio")
-        self._portal = self._portal_context.__enter__()
-        self._client = _http_client(self.server.base_url, self.model)
-        self._connections = 0  # the most requests sent at once so far: connections open
+        try:
+            self._portal = self._portal_context.__enter__()
+            self._client = _http_client(self.server.base_url, self.model)
+            # The client's event loop is the path's "main" thread (bench/measure.py, cpu_split).
+            self.loop_thread = self._portal.call(threading.get_native_id)
+        except BaseException:
+            self._portal_context.__exit__(None, None, None)
+            self.server.close()
+            raise
 
     def close(self) -> None:
         try:
@@ -360,12 +370,12 @@ class HttpLoopback(BenchPath):
         return self.server.cpu_s()
 
     def get_ready(self, bodies: Sequence[str], concurrency: int, mode: Mode) -> None:
-        # As many connections open as the measurement will use, as a service's client has.
+        # As many connections open as the measurement will use, as a busy service's client
+        # has: before every measurement, since an idle connection is closed after 5 s (httpx's
+        # keep-alive expiry and the server's), and the other paths' turns take longer.
         wanted = min(concurrency, len(bodies))
-        if wanted > self._connections:
-            call = getattr(self._client, f"{mode}_async")
-            self._portal.call(drive_async, call, bodies[:wanted], wanted)
-            self._connections = wanted
+        call = getattr(self._client, f"{mode}_async")
+        self._portal.call(drive_async, call, bodies[:wanted], wanted)
 
     def measure(self, bodies: Sequence[str], concurrency: int, mode: Mode) -> Sample:
         call = getattr(self._client, f"{mode}_async")

@@ -1,7 +1,7 @@
 """External peers: the same pipeline behind batchers we did not write.
 
 Each peer runs exactly our per-request work (parse + validate + decode in a thread, one batched
-forward pass, postprocess + JSON on the loop) so that only the batching machinery differs:
+forward pass, postprocess + JSON on the loop) so that the batching machinery is what differs:
 
 * :class:`AsyncBatcherPeer`: the ``async-batcher`` package (``AsyncBatcher.process``), with a
   synchronous ``process_batch`` that it runs in the executor it is given (its ``executor=``).
@@ -16,7 +16,9 @@ passes run on the thread that runs ours (the device's thread, models/device_thre
 (``models.shards.forward``: a big CPU batch is sharded). In the default executor a pass waits
 behind every decode already queued there, so decoding and passes never overlap; and any thread
 other than the device's leaves a second OpenMP team in the process (the model's load-time probe
-ran on the device's), which puts every small pass in the slow regime (~3x for one tile).
+ran on the device's), which puts every small pass in the slow regime (~3x for one tile). What
+they do not get is ``CoreShare`` (clients/cores.py), our clients' rule for running a small
+loaded pass on one thread fewer while requests are being decoded: that is scheduling, ours.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ class Pipeline:
         return request, self.model.prepared_tile(request, where)
 
     def forward(self, tiles: Sequence[torch.Tensor]) -> list[SampleOutput]:
-        # Timed on the thread that runs the pass, as our clients' passes are (batching/stats.py).
+        # Timed on the thread that runs the pass, as the scheduler times ours (its _call).
         started = time.perf_counter()
         # What our clients call for a batch (a list: no stacked copy on a CPU; sharded).
         outputs = shards.forward(self.model, list(tiles), self.mode).split()

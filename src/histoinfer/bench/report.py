@@ -33,12 +33,15 @@ def _load(values: list[float] | None) -> str:
 
 
 def _in_flight(row: dict[str, Any]) -> str:
-    """Requests in flight as measured: "all" when every caller sent one (a burst)."""
-    asked = row["concurrency"]
-    real = row.get("in_flight", asked)  # reports written before it was recorded: as asked
-    if real < asked or real == row["tiles"]:
-        return f"{real} (all at once)"
-    return str(real)
+    """Requests really in flight (reports written before it was recorded: as asked)."""
+    return str(row.get("in_flight", row["concurrency"]))
+
+
+_BURST_NOTE = (
+    "Where the requests in flight are as many as the tiles measured, each caller sends one "
+    "request: a burst, all at once, not a steady state (its p50 is about half the burst's "
+    "time); the explicit loop and the raw forward then run chunks of max_batch_size."
+)
 
 
 def _mode(row: dict[str, Any]) -> str:
@@ -49,10 +52,10 @@ _CPU_SPLIT_HEADER = "of which forward / main / other"
 _CPU_SPLIT_NOTE = (
     "CPU ms/tile by thread: *forward* = the device's thread and its helpers, and torch's own "
     "OpenMP workers (the forward passes), *main* = the main thread (an async path's event "
-    "loop, the explicit loop's caller), *other* = every other thread (decoding, sync callers, "
-    "the external batchers' executors, which run their forward passes with torch's workers), "
-    "then the HTTP path's server process. Medians over rounds, each on its own, so they need "
-    "not add up."
+    "loop, the explicit loop's caller; the HTTP client's loop), *other* = every other thread "
+    "(decoding, sync callers; the external batchers' passes run on the device's thread, so "
+    "they count as forward), then the HTTP path's server process. Medians over rounds, each "
+    "on its own, so they need not add up."
 )
 
 
@@ -181,6 +184,8 @@ def markdown(report: dict[str, Any]) -> str:
             for row in throughput["rows"]
         ]
         out += ["## Throughput and latency", "", *_table(headers, rows)]
+        if any(row.get("in_flight", 0) == row["tiles"] > 1 for row in throughput["rows"]):
+            out += [_BURST_NOTE, ""]
         if any(row.get("cpu_ms_per_tile_by_role") for row in throughput["rows"]):
             out += [_CPU_SPLIT_NOTE, ""]
         for skip in throughput["skipped"]:
@@ -228,7 +233,7 @@ def markdown(report: dict[str, Any]) -> str:
                     [
                         f["model"],
                         f["mode"],
-                        str(f["concurrency"]),
+                        str(f.get("in_flight", f["concurrency"])),
                         f"{f['median']:.3f}",
                         f"{f['spread']:.1%}",
                         ", ".join(f"{r:.3f}" for r in f["per_round"]),

@@ -94,8 +94,8 @@ class BenchConfig:
         return min(level, self.tiles_at(model, level))
 
     def describe_level(self, model: str, level: int) -> str:
-        """``level`` as measured: "512 tiles, all at once" when each caller sends one (a
-        burst, not a steady state), else "512 tiles, 8 in flight"."""
+        """``level`` as measured, for a target's conditions: "512 tiles, all at once" when
+        each caller sends one (a burst, not a steady state), else "512 tiles, 8 in flight"."""
         tiles, in_flight = self.tiles_at(model, level), self.in_flight(model, level)
         if in_flight == tiles:
             return f"{tiles} tiles, all at once" + (f" ({level} asked)" if level > tiles else "")
@@ -212,15 +212,20 @@ def summarize(samples: Sequence[Sample]) -> dict[str, Any]:
     }
 
 
+#: Fewest rounds that can decide a target: all five on one side of a bound the true median
+#: sits at happens 2 times in 32 (a sign test, ~94%); all three, 1 time in 4.
+DECIDING_ROUNDS = 5
+
+
 @dataclass(frozen=True)
 class Check:
-    """One target of issues 3/5: a value (median over rounds), compared with a bound.
+    """A target of issues 3/5, or a diagnostic (``issue`` empty): a value (the median over
+    rounds), compared with a bound.
 
     Whether chance could have decided it is read from its own rounds, each a ratio measured
-    side by side in the same minutes: when every round falls on one side of the bound, the
-    median does too with ~94% confidence at 5 rounds (a sign test: 2 chances in 32 that all
-    five land on one side of a bound the median sits at), 75% at 3; when they disagree, the
-    run did not decide it, whatever the median says.
+    side by side in the same minutes: decided when at least ``DECIDING_ROUNDS`` rounds all
+    fall on one side of the bound; when they disagree, the run did not decide it, whatever
+    the median says.
     """
 
     name: str
@@ -245,10 +250,12 @@ class Check:
 
     @property
     def decided(self) -> bool | None:
-        """Whether every round fell on the same side of the bound (``None``: not measured)."""
+        """Whether enough rounds all fell on the same side of the bound (``None``: not
+        measured)."""
         if self.value is None or not self.per_round:
             return None
-        return self.rounds_met in (0, len(self.per_round))
+        agree = self.rounds_met in (0, len(self.per_round))
+        return agree and len(self.per_round) >= DECIDING_ROUNDS
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -260,19 +267,23 @@ class Check:
 
 
 def verdict(check: dict[str, Any]) -> str:
-    """A check's result in words, from ``Check.as_dict``: what the median says, and in how
-    many rounds (whether the rounds agree)."""
+    """A check's result in words, from ``Check.as_dict``: what the median says, in how many
+    rounds the bound was met, and whether that decides it."""
     if check["met"] is None:
         return "not measured"
-    rounds, met = len(check["per_round"]), check.get("rounds_met")
-    if met is None:  # a report written before rounds were counted
-        return "met" if check["met"] else "not met"
     head = "met" if check["met"] else "not met"
     if not check["issue"]:
         head = f"diagnostic, not a target: {head}"
-    if check.get("decided"):
-        return f"{head} (every round: {met} of {rounds})"
-    return f"{head} by the median, but in {met} of {rounds} rounds only: not decided"
+    rounds, met = len(check["per_round"]), check.get("rounds_met")
+    if met is None:  # a report written before rounds were counted
+        return head
+    if met not in (0, rounds):
+        return f"{head} by the median; met in {met} of {rounds} rounds: not decided"
+    # All rounds agree here, and with the median: "met in every round", "not met in any".
+    every = f"in {'every' if met else 'any'} round ({met} of {rounds})"
+    if not check.get("decided"):
+        return f"{head} {every}; too few rounds to decide"
+    return f"{head} {every}"
 
 
 #: (model, path, mode, level) -> one sample per round
@@ -427,7 +438,7 @@ def run_throughput(
                     notes.append({"model": size, "path": spec.name, "note": handle.info["note"]})
             log(f"[{size}] {len(paths)} paths started, each in a process of its own")
             _note_environment(environment, size, [handle for _, handle in paths])
-            _expect_references(cfg, size, n, modes, [handle for _, handle in paths])
+            _expect_references(cfg, n, modes, [handle for _, handle in paths])
             warm = min(n, 2 * cfg.max_batch_size)
             for _, handle in paths:  # warm thread pools, kernels and connections; discarded
                 handle.call("measure", warm, max(levels), modes[0])
@@ -474,13 +485,15 @@ def run_throughput(
     }
 
 
-#: the bodies whose responses every path must answer with their own tile's numbers
-REFERENCE_TILES = 16
+def reference_indices(bodies: int) -> list[int]:
+    """The bodies whose responses every path must answer with their own tile's numbers: the
+    first and last 16 and every ``bodies // 32``-th between (rows of every batch and shard)."""
+    ends = set(range(min(bodies, 16))) | set(range(max(0, bodies - 16), bodies))
+    return sorted(ends | set(range(0, bodies, max(1, bodies // 32))))
 
 
 def _expect_references(
     cfg: BenchConfig,
-    size: str,
     bodies: int,
     modes: Sequence[Mode],
     handles: Sequence[Isolated | Local],
@@ -492,8 +505,8 @@ def _expect_references(
     referee = next((h for h in handles if h.info.get("has_model")), None)
     if cfg.dtype != "float32" or referee is None:
         return
-    n = min(bodies, REFERENCE_TILES)
-    expected = {mode: referee.call("reference", n, mode) for mode in modes}
+    indices = reference_indices(bodies)
+    expected = {mode: referee.call("reference", indices, mode) for mode in modes}
     for handle in handles:
         handle.call("expect", expected)
 
@@ -514,8 +527,8 @@ def _largest_gap(ratios: Sequence[float]) -> float:
 
 def noise_floor(samples: Samples, cfg: BenchConfig) -> list[dict[str, Any]]:
     """Per model and level: the twin's throughput over its original's, round by round. Two
-    processes running the same code differ by this much in the same minutes; a ratio this
-    close to its target says nothing either way."""
+    processes running the same code differ by this much in the same minutes: what chance
+    alone does to one round's ratio (information: verdicts come from each target's rounds)."""
     floors = []
     for model in cfg.models:
         mode = cfg.modes_of(model)[0]
@@ -527,6 +540,7 @@ def noise_floor(samples: Samples, cfg: BenchConfig) -> list[dict[str, Any]]:
                         "model": model,
                         "mode": mode,
                         "concurrency": level,
+                        "in_flight": cfg.in_flight(model, level),
                         "median": _median(rounds),
                         "spread": _largest_gap(rounds),
                         "per_round": rounds,

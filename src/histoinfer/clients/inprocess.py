@@ -147,7 +147,7 @@ def _forward(
 
 def _timed(fn: Callable[..., T], *args: Any) -> tuple[T, float]:
     """``fn(*args)`` and how long it ran, timed on the thread that runs it (the device's): the
-    statistics' forward time, as the schedulers time their batch function (batching/stats.py).
+    statistics' forward time, as the schedulers time their batch function (BatchScheduler._call).
     From the caller, it would include the hand-offs, and a wait behind other calls' passes."""
     started = time.perf_counter()
     result = fn(*args)
