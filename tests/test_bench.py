@@ -18,6 +18,7 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -675,3 +676,45 @@ def test_the_overhead_suite_says_when_async_batcher_is_missing(
     [skip] = result["skipped"]
     assert skip["variant"] == "async-batcher" and "not installed" in skip["reason"]
     assert any("skipping async-batcher" in line for line in lines)
+
+
+@pytest.mark.timeout(90)
+def test_a_model_whose_sweep_fails_leaves_the_other_models_results(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from histoinfer.bench import runner
+
+    real = runner._sweep_model
+
+    def sweep(cfg: BenchConfig, size: str, *args: Any) -> None:
+        if size == "small":  # dies after a first measurement
+            partial = Sample(tiles=8, wall_s=1.0, latencies_s=[0.1])
+            args[-1].samples[("small", "explicit", "predict", 4)] = [partial]
+            raise RuntimeError("the small model's child died")
+        real(cfg, size, *args)
+
+    monkeypatch.setattr(runner, "_sweep_model", sweep)
+    cfg = BenchConfig(
+        models=("tiny", "small"),
+        paths=("explicit", "dynamic-asyncio"),
+        small_paths=("explicit", "dynamic-asyncio"),
+        levels=(4,),
+        small_levels=(4,),
+        tiles=8,
+        min_tiles=8,
+        rounds=1,
+        suites=("throughput",),
+        modes=("predict",),
+        workdir=str(workdir),
+        isolate=False,
+    )
+    report = run_bench(cfg, lambda line: None, "test")
+    assert report["failed"] == [
+        {"suite": "throughput (small model)", "error": "RuntimeError: the small model's child died"}
+    ]
+    throughput = report["throughput"]
+    assert {row["model"] for row in throughput["rows"]} == {"tiny"}
+    assert {row["path"] for row in throughput["rows"]} == {"explicit", "dynamic-asyncio"}
+    small = [c for c in throughput["checks"] if c["detail"].startswith("small")]
+    assert small and all(c["value"] is None for c in small)  # not read from a partial round
+    assert "failed" not in run_bench(replace(cfg, models=("tiny",)), lambda line: None, "test")

@@ -395,94 +395,119 @@ def _lone_process(variant: str) -> str:
 def run_throughput(
     cfg: BenchConfig, log: Log, environment: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """The sweep; torch's side of the run's ``environment`` is noted there, as children saw it."""
-    workdir = Path(cfg.workdir)
+    """The sweep; torch's side of the run's ``environment`` is noted there, as children saw it.
+
+    A model whose measurements fail is recorded under ``failed`` and left out (its partial
+    rounds too); the other models' results stay: a run is long."""
     environment = {} if environment is None else environment
-    rows: list[dict[str, Any]] = []
-    skipped: list[dict[str, str]] = []
-    notes: list[dict[str, str]] = []
-    samples: Samples = {}
+    sweep = _Sweep()
+    failed: list[dict[str, str]] = []
     for size in cfg.models:
-        small = size == "small"
-        names = [p for p in (cfg.small_paths if small else cfg.paths) if p in cfg.paths]
-        levels = cfg.small_levels if small else cfg.levels
-        modes = cfg.modes_of(size)
-        rounds = min(cfg.rounds, cfg.small_rounds) if small else cfg.rounds
-        checkpoint = ensure_checkpoint(size, workdir, log, cfg.dtype)
-        n = max(cfg.tiles_at(size, level) for level in levels)
-        load_bodies(n, cfg.seed, workdir, log)  # built once, cached for the processes below
-        specs = [
-            PathSpec(
-                size,
-                name,
-                str(checkpoint),
-                n,
-                cfg.seed,
-                str(workdir),
-                cfg.max_batch_size,
-                cfg.max_wait_ms,
-            )
-            for name in names
-        ]
-        started = [_start(cfg, OPEN_PATH, spec) for spec in specs]  # they load side by side
-        paths: list[tuple[str, Isolated | Local]] = []
         try:
-            for spec, handle in zip(specs, started, strict=True):
-                handle.wait_ready()
-                if handle.unavailable is not None:
-                    log(f"[{size}] skipping {spec.name}: {handle.unavailable}")
-                    skipped.append({"model": size, "path": spec.name, "reason": handle.unavailable})
-                    continue
-                paths.append((spec.name, handle))
-                if handle.info.get("note"):
-                    notes.append({"model": size, "path": spec.name, "note": handle.info["note"]})
-            log(f"[{size}] {len(paths)} paths started, each in a process of its own")
-            _note_environment(environment, size, [handle for _, handle in paths])
-            _expect_references(cfg, n, modes, [handle for _, handle in paths])
-            warm = min(n, 2 * cfg.max_batch_size)
-            for _, handle in paths:  # warm thread pools, kernels and connections; discarded
-                handle.call("measure", warm, max(levels), modes[0])
-                for mode in modes:
-                    handle.call("measure", 4, 1, mode)
-            log(f"[{size}] warmed up")
-            for r in range(rounds):
-                for mode in modes:
-                    for level in levels:
-                        for name, handle in _shuffled(paths, cfg.seed, r, mode, level):
-                            tiles = cfg.tiles_at(size, level)
-                            sample: Sample = handle.call("measure", tiles, level, mode)
-                            samples.setdefault((size, name, mode, level), []).append(sample)
-                            shown = "" if len(modes) == 1 else f" {mode:<22}"
-                            log(
-                                f"[{size}] round {r + 1}/{rounds}{shown} c={level:<4} "
-                                f"{name:<16} {sample.throughput:8.1f} tiles/s "
-                                f"{sample.cpu_ms_per_tile:6.2f} CPU ms/tile  "
-                                f"load {os.getloadavg()[0]:.1f}"
-                            )
-        finally:
-            for handle in started:
-                handle.close()
-        for mode in modes:
-            for name, handle in paths:
-                for level in levels:
-                    rows.append(
-                        {
-                            "model": size,
-                            "path": name,
-                            "mode": mode,
-                            "label": handle.info["label"],
-                            "concurrency": level,
-                            "in_flight": cfg.in_flight(size, level),
-                            **summarize(samples[(size, name, mode, level)]),
-                        }
-                    )
+            _sweep_model(cfg, size, log, environment, sweep)
+        except Exception as exc:
+            failed.append(_failure(f"throughput ({size} model)", exc, log))
+            for key in [k for k in sweep.samples if k[0] == size]:
+                del sweep.samples[key]
     return {
-        "rows": rows,
-        "skipped": skipped,
-        "notes": notes,
-        "checks": [c.as_dict() for c in throughput_checks(samples, cfg)],
-        "noise_floor": noise_floor(samples, cfg),
+        "rows": sweep.rows,
+        "skipped": sweep.skipped,
+        "notes": sweep.notes,
+        "checks": [c.as_dict() for c in throughput_checks(sweep.samples, cfg)],
+        "noise_floor": noise_floor(sweep.samples, cfg),
+        "failed": failed,
     }
+
+
+@dataclass
+class _Sweep:
+    """What the sweep has measured so far, model by model."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    skipped: list[dict[str, str]] = field(default_factory=list)
+    notes: list[dict[str, str]] = field(default_factory=list)
+    samples: Samples = field(default_factory=dict)
+
+
+def _sweep_model(
+    cfg: BenchConfig, size: str, log: Log, environment: dict[str, Any], sweep: _Sweep
+) -> None:
+    """Every path at every level and mode of model ``size``, in interleaved rounds."""
+    workdir = Path(cfg.workdir)
+    rows, skipped, notes, samples = sweep.rows, sweep.skipped, sweep.notes, sweep.samples
+    small = size == "small"
+    names = [p for p in (cfg.small_paths if small else cfg.paths) if p in cfg.paths]
+    levels = cfg.small_levels if small else cfg.levels
+    modes = cfg.modes_of(size)
+    rounds = min(cfg.rounds, cfg.small_rounds) if small else cfg.rounds
+    checkpoint = ensure_checkpoint(size, workdir, log, cfg.dtype)
+    n = max(cfg.tiles_at(size, level) for level in levels)
+    load_bodies(n, cfg.seed, workdir, log)  # built once, cached for the processes below
+    specs = [
+        PathSpec(
+            size,
+            name,
+            str(checkpoint),
+            n,
+            cfg.seed,
+            str(workdir),
+            cfg.max_batch_size,
+            cfg.max_wait_ms,
+        )
+        for name in names
+    ]
+    started = [_start(cfg, OPEN_PATH, spec) for spec in specs]  # they load side by side
+    paths: list[tuple[str, Isolated | Local]] = []
+    try:
+        for spec, handle in zip(specs, started, strict=True):
+            handle.wait_ready()
+            if handle.unavailable is not None:
+                log(f"[{size}] skipping {spec.name}: {handle.unavailable}")
+                skipped.append({"model": size, "path": spec.name, "reason": handle.unavailable})
+                continue
+            paths.append((spec.name, handle))
+            if handle.info.get("note"):
+                notes.append({"model": size, "path": spec.name, "note": handle.info["note"]})
+        log(f"[{size}] {len(paths)} paths started, each in a process of its own")
+        _note_environment(environment, size, [handle for _, handle in paths])
+        _expect_references(cfg, n, modes, [handle for _, handle in paths])
+        warm = min(n, 2 * cfg.max_batch_size)
+        for _, handle in paths:  # warm thread pools, kernels and connections; discarded
+            handle.call("measure", warm, max(levels), modes[0])
+            for mode in modes:
+                handle.call("measure", 4, 1, mode)
+        log(f"[{size}] warmed up")
+        for r in range(rounds):
+            for mode in modes:
+                for level in levels:
+                    for name, handle in _shuffled(paths, cfg.seed, r, mode, level):
+                        tiles = cfg.tiles_at(size, level)
+                        sample: Sample = handle.call("measure", tiles, level, mode)
+                        samples.setdefault((size, name, mode, level), []).append(sample)
+                        shown = "" if len(modes) == 1 else f" {mode:<22}"
+                        log(
+                            f"[{size}] round {r + 1}/{rounds}{shown} c={level:<4} "
+                            f"{name:<16} {sample.throughput:8.1f} tiles/s "
+                            f"{sample.cpu_ms_per_tile:6.2f} CPU ms/tile  "
+                            f"load {os.getloadavg()[0]:.1f}"
+                        )
+    finally:
+        for handle in started:
+            handle.close()
+    for mode in modes:
+        for name, handle in paths:
+            for level in levels:
+                rows.append(
+                    {
+                        "model": size,
+                        "path": name,
+                        "mode": mode,
+                        "label": handle.info["label"],
+                        "concurrency": level,
+                        "in_flight": cfg.in_flight(size, level),
+                        **summarize(samples[(size, name, mode, level)]),
+                    }
+                )
 
 
 def reference_indices(bodies: int) -> list[int]:
@@ -718,6 +743,13 @@ def environment() -> dict[str, Any]:
     }
 
 
+def _failure(what: str, exc: Exception, log: Log) -> dict[str, str]:
+    """A failed suite (or part of one), as the report records it."""
+    error = f"{type(exc).__name__}: {exc}"
+    log(f"[{what}] failed: {error}")
+    return {"suite": what, "error": error}
+
+
 def _run_profile(cfg: BenchConfig, log: Log) -> dict[str, Any]:
     from .profile import run_profile
 
@@ -746,10 +778,11 @@ def run_bench(cfg: BenchConfig, log: Log, command: str = "histoinfer bench") -> 
             report[suite] = run()
         except Exception as exc:
             # The other suites still run, and what ran is written: a run is long.
-            log(f"[{suite}] failed: {type(exc).__name__}: {exc}")
-            report.setdefault("failed", []).append(
-                {"suite": suite, "error": f"{type(exc).__name__}: {exc}"}
-            )
+            report.setdefault("failed", []).append(_failure(suite, exc, log))
+        else:
+            report.setdefault("failed", []).extend(report[suite].pop("failed", []))
+    if not report.get("failed"):
+        report.pop("failed", None)
     env = report["environment"]
     if "torch" not in env:  # no child with a model (the overhead or profile suite alone, HTTP)
         from .children import torch_environment
