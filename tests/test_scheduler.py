@@ -515,17 +515,25 @@ async def test_a_request_not_dispatched_by_its_deadline_fails_clearly() -> None:
     assert snap.error_kinds == {"deadline": 1} and snap.queue_depth == 0
 
 
+def _on_a_thread_busy_with_other_work(
+    name: str,
+) -> tuple[BatchScheduler[int, int], HeldBatchFn, threading.Event]:
+    """A scheduler whose batches run on a thread that someone else's job holds until the
+    returned event is set (e.g. another client's pass on a shared device)."""
+    worker = DeviceThread(name)
+    release = threading.Event()
+    fn = HeldBatchFn(held=False)
+    worker.submit(release.wait, 10)
+    return BatchScheduler(fn, max_batch_size=8, thread=worker.submit), fn, release
+
+
 async def test_a_batch_waiting_for_a_busy_thread_runs_without_those_whose_deadline_passed() -> None:
     """Dispatched to a thread busy with other work (e.g. another client's pass on a shared
     device), an item has not reached the batch function: its caller fails at its deadline,
     not when the thread gets to it, and the batch runs without it."""
-    worker = DeviceThread("test-busy-device")
-    release = threading.Event()
+    sched, fn, release = _on_a_thread_busy_with_other_work("test-busy-device")
     results: dict[int, Any] = {}
-    fn = HeldBatchFn(held=False)
-    sched = BatchScheduler(fn, max_batch_size=8, thread=worker.submit)
     with anyio.fail_after(10):
-        worker.submit(release.wait, 10)  # someone else's job holds the thread
         async with anyio.create_task_group() as tg:
             spawn_submit(tg, sched.submit, 1, results, timeout=0.05)
             spawn_submit(tg, sched.submit, 2, results)
@@ -542,13 +550,9 @@ async def test_a_batch_waiting_for_a_busy_thread_runs_without_those_whose_deadli
 async def test_forward_time_is_the_batch_functions_not_a_wait_for_its_thread() -> None:
     """The statistics' forward time is timed on the batch function's thread: a batch that
     waited for a thread busy with other work does not count that wait as its own time."""
-    worker = DeviceThread("test-timed-device")
-    release = threading.Event()
+    sched, _, release = _on_a_thread_busy_with_other_work("test-timed-device")
     results: dict[int, Any] = {}
-    fn = HeldBatchFn(held=False)
-    sched = BatchScheduler(fn, max_batch_size=8, thread=worker.submit)
     with anyio.fail_after(10):
-        worker.submit(release.wait, 10)  # someone else's job holds the thread
         async with anyio.create_task_group() as tg:
             spawn_submit(tg, sched.submit, 1, results)
             await wait_until(lambda: sched.queue_depth == 0)  # dispatched, waiting
