@@ -23,6 +23,7 @@ from .isolation import Unavailable
 from .latency import LoneLatency
 from .measure import Expected, Sample, cpu_split, thread_cpu_clocks
 from .paths import PATHS, BenchContext, BenchPath, make_paths
+from .peers import Pipeline
 from .runner import PathSpec, load_bodies
 
 __all__ = ["OpenPath", "open_lone", "open_path", "prepare_tiles", "torch_environment"]
@@ -63,12 +64,12 @@ class OpenPath:
         """The response numbers of the bodies at ``indices``, each tile run alone on the
         device's thread: what every path's responses must hold (``measure.check_responses``)."""
         model = self.path.ctx.server_model
+        pipeline = Pipeline(model, mode)  # the request's steps, as plain functions
         expected = {}
         for i in indices:
-            request = parse_request(self.bodies[i])
-            tile = model.prepare_sample(request)
+            request, tile = pipeline.prepare(self.bodies[i])
             [output] = device_thread(model.device).call(model.forward_tiles, [tile], mode).split()
-            response = json.loads(model.response_json(request, output, mode))
+            response = json.loads(pipeline.finish(request, output))
             expected[i] = {k: response[k] for k in ("output", "embedding") if k in response}
         return expected
 

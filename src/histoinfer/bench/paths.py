@@ -120,7 +120,7 @@ class RawForward(BenchPath):
 
     def measure(self, bodies: Sequence[str], concurrency: int, mode: Mode) -> Sample:
         model = self.ctx.server_model
-        chunk = min(concurrency, self.ctx.max_batch_size)
+        chunks = _chunks(len(bodies), min(concurrency, self.ctx.max_batch_size))
         tiles = self.ctx.tiles
         latencies: list[float] = []
         clock = time.perf_counter
@@ -129,7 +129,7 @@ class RawForward(BenchPath):
             # Stacked here, before the clock: a torch op on any other thread (this process's
             # main thread) would leave a second OpenMP team in the process, and every small
             # pass would run in the slow regime (models/device_thread.py): ~3x for one tile.
-            stacks = [torch.stack([tiles[i] for i in r]) for r in _chunks(len(bodies), chunk)]
+            stacks = [torch.stack([tiles[i] for i in r]) for r in chunks]
             batches = [list(stack) for stack in stacks]  # its rows: views, no copy
             started = clock()
             for batch in batches:
@@ -141,8 +141,7 @@ class RawForward(BenchPath):
         # On the device's thread, where the clients run every forward pass: the same OpenMP
         # team, so the limit is measured in the regime the clients get (models/device_thread).
         wall = device_thread(model.device).call(run)
-        batches = len(_chunks(len(bodies), chunk))
-        return Sample(len(bodies), wall, latencies, batches, len(bodies), wall)
+        return Sample(len(bodies), wall, latencies, len(chunks), len(bodies), wall)
 
 
 class _ClientPath(BenchPath):
