@@ -160,7 +160,8 @@ async def call(client: InProcessClient, i: int, text: str | None = None) -> str:
 
 class ForwardWatch:
     """Counts `forward_batch` calls and the most that ever ran at once: one pass at a time per
-    device (SPEC §5) for batches too small to shard (a sharded pass calls it once per part)."""
+    device (SPEC §5). A sharded pass calls it once per part, on several threads at once:
+    :func:`hooked_model` watches an unsharded copy unless asked."""
 
     def __init__(self) -> None:
         self.calls = 0
@@ -184,12 +185,22 @@ class ForwardWatch:
 
 
 def hooked_model(
-    model: ServerModel, before: Callable[[torch.Tensor], None] = lambda batch: None
+    model: ServerModel,
+    before: Callable[[torch.Tensor], None] = lambda batch: None,
+    *,
+    sharded: bool = False,
 ) -> tuple[ServerModel, ForwardWatch]:
     """A shallow copy of ``model`` whose ``forward_batch`` is watched and calls ``before(batch)``
     first. The shared session model is never touched: only the copy gets the wrapper.
+
+    Unless ``sharded``, the copy's CPU passes are never sharded (models/shards.py), so that
+    each ``forward_batch`` call is a whole pass: the batch the scheduler formed, on the device's
+    thread. (A client of an unshardable model also decodes on fewer threads by default: those
+    torch's threads leave, ``prepare_threads``.)
     """
     wrapped = copy.copy(model)
+    if not sharded:
+        wrapped.shard_cpu_passes = False  # type: ignore[misc]
     original = model.forward_batch
     watch = ForwardWatch()
 

@@ -292,9 +292,11 @@ def test_a_loaded_sharded_pass_is_recorded(tiny_model: ServerModel) -> None:
     if not shards.available(tiny_model, full):
         pytest.skip("passes are not sharded on this machine")
     threads: list[int] = []
-    model, _ = hooked_model(tiny_model, lambda batch: threads.append(torch.get_num_threads()))
+    model, _ = hooked_model(
+        tiny_model, lambda batch: threads.append(torch.get_num_threads()), sharded=True
+    )
     size = tiny_model.assets.tile_size
-    tiles = [torch.zeros(3, size, size, dtype=torch.uint8)] * (2 * shards.MIN_PART_TILES)
+    tiles = [torch.zeros(3, size, size, dtype=torch.uint8)] * 2
     share = CoreShare(decode_threads=1)
     worker.call(_forward, model, tiles, "predict", share, lambda: False)
     assert share._forward.per_tile() is None  # not loaded: nothing learned

@@ -44,6 +44,7 @@ class CountingModel(H1ServerModel):
     """The tiny h1, recording every forward pass; white tiles fail once ``poison`` is on."""
 
     max_image_bytes = 400_000  # a small limit, so "oversized" is cheap to build
+    shard_cpu_passes = False  # one forward_batch call a pass: the passes are what is counted
 
     def __init__(self, source: ServerModel) -> None:
         self.calls: list[tuple[int, Mode]] = []
@@ -226,7 +227,11 @@ async def test_a_pass_while_other_calls_decode_leaves_them_their_cores(
     if not per_thread_counts_supported():
         pytest.skip("torch's OpenMP runtime here is not libgomp: per-thread counts unsupported")
     threads: list[int] = []
-    model, _ = hooked_model(tiny_model, lambda batch: threads.append(torch.get_num_threads()))
+    # Passes of one tile are never sharded; a shardable model keeps its two decode threads
+    # (one is held below, the other decodes body 2).
+    model, _ = hooked_model(
+        tiny_model, lambda batch: threads.append(torch.get_num_threads()), sharded=True
+    )
     real_prepare = inprocess._prepare
     held, released = threading.Event(), threading.Event()
 

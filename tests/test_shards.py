@@ -47,12 +47,17 @@ def tiles(n: int, size: int = 224, seed: int = 0) -> torch.Tensor:
     [
         (51, 2, (2, 13)),  # two workers, two parts each
         (64, 2, (2, 16)),
-        (16, 2, (2, 8)),  # the smallest sharded pass: two parts of MIN_PART_TILES
+        (16, 2, (2, 8)),
         (17, 2, (2, 9)),  # 9 + 8, not 8 + 8 + 1
-        (15, 2, (1, 15)),  # too small: torch's threads run it
-        (1, 2, (1, 1)),  # a lone request: every core, at once
+        (31, 2, (2, 11)),  # three parts of MIN_PART_TILES or more
+        (15, 2, (2, 8)),  # a small batch: one part per worker
+        (3, 2, (2, 2)),  # 2 + 1
+        (2, 2, (2, 1)),  # the smallest sharded pass
+        (1, 2, (1, 1)),  # a lone request: torch's threads, every core
         (64, 4, (4, 8)),
-        (20, 4, (2, 10)),  # no more workers than parts of MIN_PART_TILES
+        (20, 4, (4, 5)),  # a part for every thread
+        (5, 4, (3, 2)),  # 2 + 2 + 1: a worker is left without a part
+        (3, 4, (3, 1)),
         (64, 1, (1, 64)),  # one torch thread: nothing to share
         (64, shards.MAX_WORKERS + 1, (1, 64)),  # not measured on bigger boxes
     ],
@@ -82,7 +87,7 @@ def test_models_that_opt_out_or_are_aoti_packages_are_never_sharded(
     for model in (opted_out, aoti):
         assert not model.shardable
         assert shards.plan(model, 64, 2) == (1, 64)
-        watched, watch = hooked_model(model)
+        watched, watch = hooked_model(model, sharded=True)  # its own opt-out only
         on_device(shards.forward, watched, tiles(32), "predict", 2)
         assert watch.sizes == [32]  # one call, the whole batch
     assert tiny_model.shardable
@@ -100,6 +105,7 @@ def test_a_sharded_pass_gives_every_tile_its_own_output_in_order(
         lambda part: calls.append(
             (int(part.shape[0]), threading.get_ident(), torch.get_num_threads())
         ),
+        sharded=True,
     )
     worker = device_thread("cpu")
     given = list(batch) if as_list else batch
@@ -150,7 +156,7 @@ def test_a_failing_part_fails_the_pass_only_after_every_worker_stopped(
     batch[:, 0, 0, 0] = 0
     batch[16, 0, 0, 0] = 100  # first tile of the second part (parts of 16): a long one
     batch[32, 0, 0, 0] = 255  # first tile of the third part
-    model, watch = hooked_model(tiny_model, before)
+    model, watch = hooked_model(tiny_model, before, sharded=True)
 
     def run() -> None:
         try:
@@ -173,7 +179,7 @@ def test_a_sharded_pass_returns_only_once_every_part_is_done(tiny_model: ServerM
     most = 0
     guard = threading.Lock()
     at_return: list[int] = []
-    model, watch = hooked_model(tiny_model)
+    model, watch = hooked_model(tiny_model, sharded=True)
     original = model.forward_batch
 
     def forward_batch(part: torch.Tensor, mode: str) -> object:
@@ -264,6 +270,6 @@ def test_parts_run_on_no_openmp_team_of_their_own(tiny_checkpoint: Path) -> None
 
 def test_describe_says_how_passes_run_here() -> None:
     if per_thread_counts_supported():
-        assert shards.describe(2).startswith("batches of 16+ tiles sharded across 2")
+        assert shards.describe(2).startswith("batches of 2+ tiles sharded across 2")
         assert "not sharded: 8 threads" in shards.describe(shards.MAX_WORKERS * 2)
     assert shards.describe(1) == "on torch's threads (not sharded: 1 thread)"

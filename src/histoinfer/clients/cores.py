@@ -14,7 +14,9 @@ taking ``F`` at ``t`` threads and a decode taking ``D``: leaving costs the forwa
 spinning workers, which slow the pass's own thread too). So cores are left only while requests
 are on their way (the pipeline is loaded) and ``F * k / (t - k) <= 6 D``: the tiny model on 2
 cores (F ~1-4 ms, D ~1-2 ms) leaves one; ViT-S (F ~40-50 ms) never does; a 16-core box leaves
-one core while ``F <= 90 D``. A lone request always gets every core.
+one core while ``F <= 90 D``. A lone request always gets every core. Where CPU passes are
+sharded (models/shards.py: 2-4 torch threads), only passes of one tile are asked: sharded
+parts run single-threaded and spin nowhere.
 
 Both costs are measured as the client runs, under load only (loaded forward passes that ran
 sharded or left cores; decode chunks of bodies that queued up, and decodes that start while the

@@ -112,10 +112,10 @@ def _forward(
     """Run ``tiles`` as one batch and split it per sample; on the device's thread (one pass at
     a time).
 
-    A big enough batch on a small CPU box runs as shards on single-threaded workers, which
-    leave the decoders their share of the cores by themselves (models/shards.py). Other passes
-    with ``share`` (a CPU device): while ``loaded()`` says requests are on their way, the pass
-    may run on fewer threads to leave cores to the decoders (clients/cores.py). Loaded passes
+    A batch of two tiles or more on a small CPU box runs as shards on single-threaded workers,
+    which leave the decoders their share of the cores by themselves (models/shards.py). Other
+    passes with ``share`` (a CPU device): while ``loaded()`` says requests are on their way, the
+    pass may run on fewer threads to leave cores to the decoders (clients/cores.py). Loaded passes
     that ran sharded or left cores record their duration there.
 
     A function of the model, not a method of the client: schedulers hold it for their loop's

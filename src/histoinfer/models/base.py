@@ -187,7 +187,7 @@ class ServerModel:
 
     @property
     def shardable(self) -> bool:
-        """Whether big CPU batches of this model may be sharded (models/shards.py). Never for
+        """Whether CPU batches of this model may be sharded (models/shards.py). Never for
         an AOTInductor package: its runner takes one call at a time, so parts would wait for
         each other on one thread each (measured: 1.4x slower than one pass on every thread)."""
         return self.shard_cpu_passes and self.checkpoint.kind == "torch.export"

@@ -13,11 +13,17 @@ with OpenMP; dynamic batching of the tiny model +9-15%, 1.20-1.22x the (also sha
 loop where it was 1.11-1.15x; the small model (ViT-S) +14-18% on every path.
 
 It is still one forward pass (SPEC §5: one at a time per device): the device's thread runs it,
-works on its parts itself, and returns only once every helper is done with the others. Small
-batches (fewer than ``2 * MIN_PART_TILES`` tiles: a lone request, a light load) keep torch's
-threads, which is what makes a lone request fast. Boxes with more than ``MAX_WORKERS`` torch
-threads keep torch's threads too: many single-threaded parts would queue for the GIL, which
-the program's Python holds between ops, and it has not been measured there.
+works on its parts itself, and returns only once every helper is done with the others. Every
+batch of two tiles or more is sharded: one part per worker, two per worker once parts of
+``MIN_PART_TILES`` fit. Small batches too (session 16), because what the team costs them comes
+after the pass: its workers spin ~5 ms after it on the core a decoder needs just then, when the
+callers of a small batch come back with their next requests. At 4 and 8 callers in flight that
+made dynamic batching 0.7-0.95x the explicit loop; sharded, a pass of 2-15 tiles takes about the
+team's time (0.95-1.05x for an even count, 1.07-1.17x for 3 or 5 tiles on 2 workers) and dynamic
+batching gained +31% at 4 and 8 in flight (docs/benchmarks-history.md, "Session 16"). A lone
+tile keeps torch's threads, which is what makes a lone request fast. Boxes with more than
+``MAX_WORKERS`` torch threads keep torch's threads too: many single-threaded parts would queue
+for the GIL, which the program's Python holds between ops, and it has not been measured there.
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ from .openmp import per_thread_counts_supported, thread_count
 
 __all__ = ["MAX_WORKERS", "MIN_PART_TILES", "available", "describe", "forward", "plan"]
 
-#: Fewest tiles in one part: a part of 8 of the tiny model runs at ~the per-tile cost of 32.
+#: Fewest tiles in a part before a worker gets two: a part of 8 of the tiny model runs at ~the
+#: per-tile cost of 32; smaller batches run as one part per worker.
 MIN_PART_TILES = 8
 #: Most workers (the device's thread included) a pass is split across.
 MAX_WORKERS = 4
@@ -54,8 +61,8 @@ def describe(threads: int) -> str:
     """How CPU forward passes of a ``torch.export`` model run here, for reports."""
     if _machine_allows(threads):
         return (
-            f"batches of {2 * MIN_PART_TILES}+ tiles sharded across {threads} "
-            "single-threaded workers, smaller ones on torch's threads"
+            f"batches of 2+ tiles sharded across {threads} single-threaded workers, "
+            "a lone tile on torch's threads"
         )
     if 2 <= threads <= MAX_WORKERS:
         why = "OpenMP runtime not libgomp"
@@ -72,12 +79,15 @@ def _machine_allows(threads: int) -> bool:
 def plan(model: ServerModel, tiles: int, threads: int) -> tuple[int, int]:
     """``(workers, part_size)`` for a pass of ``tiles`` of ``model`` with ``threads`` torch
     threads; ``workers == 1``: not sharded (torch's threads run the whole batch)."""
-    if tiles < 2 * MIN_PART_TILES or not available(model, threads):
+    if tiles < 2 or not available(model, threads):
         return 1, tiles
-    workers = min(threads, tiles // MIN_PART_TILES)
-    # Parts of about equal size (17 tiles: 9 + 8, not 8 + 8 + 1); only the last may be smaller.
-    parts = min(workers * _PARTS_PER_WORKER, tiles // MIN_PART_TILES)
-    return workers, -(-tiles // parts)
+    workers = min(threads, tiles)
+    # One part per worker, two once parts of MIN_PART_TILES fit, as even as they come (17
+    # tiles: 9 + 8, not 8 + 8 + 1); a second part lets a worker whose core a decoder took do
+    # less. Rounding may leave a worker without a part (5 tiles on 4 threads: 2 + 2 + 1).
+    parts = max(workers, min(workers * _PARTS_PER_WORKER, tiles // MIN_PART_TILES))
+    size = -(-tiles // parts)
+    return min(workers, -(-tiles // size)), size
 
 
 def forward(
