@@ -7,7 +7,9 @@ then the pass. This prints, per N, the throughput, the batch sizes the scheduler
 pass's time a batch (the clients' own statistics, timed on the device's thread) and the time
 outside it a cycle, against the explicit loop in chunks of N. Session 15 saw dynamic batching
 at 8 in flight spend ~10 ms a cycle outside the pass where decoding 8 bodies on 2 threads
-takes ~4.4 (docs/benchmarks.md).
+takes ~4.4; session 16 found why (the OpenMP team's worker spinning after each small pass on
+the core the decoders needed) and shards small batches since (docs/benchmarks.md, "A few
+callers at a time").
 
 python benchmarks/batch_cycle.py [--workdir DIR] [--reps N]
 """
