@@ -718,3 +718,42 @@ def test_a_model_whose_sweep_fails_leaves_the_other_models_results(
     small = [c for c in throughput["checks"] if c["detail"].startswith("small")]
     assert small and all(c["value"] is None for c in small)  # not read from a partial round
     assert "failed" not in run_bench(replace(cfg, models=("tiny",)), lambda line: None, "test")
+
+
+@pytest.mark.timeout(90)
+def test_a_model_whose_lone_latency_fails_leaves_the_other_models_results(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from histoinfer.bench import runner
+
+    real = runner.p50_ms
+    measured: list[int] = []
+
+    def p50(latencies: Any) -> float:
+        measured.append(1)
+        if len(measured) > len(runner.LONE_VARIANTS) + 1:  # the second model, after a reading
+            raise RuntimeError("the small model's child died")
+        return real(latencies)
+
+    monkeypatch.setattr(runner, "p50_ms", p50)
+    # The second model is the tiny one again under another name: the same checkpoint, fast.
+    real_checkpoint = runner.ensure_checkpoint
+    monkeypatch.setattr(
+        runner, "ensure_checkpoint", lambda size, *args: real_checkpoint("tiny", *args)
+    )
+    cfg = BenchConfig(
+        models=("tiny", "small"),
+        rounds=1,
+        lone_calls=3,
+        suites=("latency",),
+        workdir=str(workdir),
+        isolate=False,
+    )
+    report = run_bench(cfg, lambda line: None, "test")
+    assert report["failed"] == [
+        {"suite": "latency (small model)", "error": "RuntimeError: the small model's child died"}
+    ]
+    latency = report["latency"]
+    assert {row["model"] for row in latency["rows"]} == {"tiny"}
+    assert {row["variant"] for row in latency["rows"]} == set(runner.LONE_VARIANTS)
+    assert latency["checks"] and all(c["detail"].startswith("tiny") for c in latency["checks"])

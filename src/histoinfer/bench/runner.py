@@ -634,76 +634,96 @@ def run_overhead(cfg: BenchConfig, log: Log) -> dict[str, Any]:
 def run_latency(
     cfg: BenchConfig, log: Log, environment: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """A lone request against its bound; torch's side of ``environment`` is noted there."""
-    workdir = Path(cfg.workdir)
-    variants = cfg.lone_variants
+    """A lone request against its bound; torch's side of ``environment`` is noted there.
+
+    A model whose measurements fail is recorded under ``failed`` and left out (its partial
+    rounds too); the other models' results stay, as in the throughput suite."""
     environment = {} if environment is None else environment
     rows: list[dict[str, Any]] = []
     checks: list[Check] = []
+    failed: list[dict[str, str]] = []
     for size in cfg.models:
-        checkpoint = ensure_checkpoint(size, workdir, log, cfg.dtype)
-        n = max(cfg.tiles_at(size, 1), 16)
-        load_bodies(n, cfg.seed, workdir, log)  # built once, cached for the processes below
-        calls = cfg.lone_calls if size != "small" else max(cfg.lone_calls // 3, 10)
-        processes = {
-            key: _start(cfg, OPEN_LONE, str(checkpoint), n, cfg.seed, str(workdir))
-            for key in dict.fromkeys(map(_lone_process, variants))
-        }
-        started = {v: processes[_lone_process(v)] for v in variants}
-        per: dict[str, list[float]] = {v: [] for v in variants}
         try:
-            for handle in processes.values():
-                handle.wait_ready()
-            for variant, handle in started.items():
-                handle.call("measure", variant, 5)  # warm-up
-            log(f"[latency {size}] {len(processes)} processes started and warmed up")
-            _note_environment(environment, size, list(processes.values()))
-            for r in range(cfg.rounds):
-                for variant in _shuffled(variants, cfg.seed, r, size):
-                    per[variant].append(p50_ms(started[variant].call("measure", variant, calls)))
-                log(
-                    f"[latency {size}] round {r + 1}/{cfg.rounds} "
-                    + " ".join(f"{v}={per[v][-1]:.2f}ms" for v in variants)
-                )
-        finally:
-            for handle in processes.values():
-                handle.close()
-        for variant in variants:
-            rows.append(
-                {
-                    "model": size,
-                    "variant": variant,
-                    "p50_ms": statistics.median(per[variant]),
-                    "p50_ms_rounds": [round(v, 3) for v in per[variant]],
-                }
+            model_rows, model_checks = _latency_model(cfg, size, log, environment)
+        except Exception as exc:
+            failed.append(_failure(f"latency ({size} model)", exc, log))
+            continue
+        rows.extend(model_rows)
+        checks.extend(model_checks)
+    return {"rows": rows, "checks": [c.as_dict() for c in checks], "failed": failed}
+
+
+def _latency_model(
+    cfg: BenchConfig, size: str, log: Log, environment: dict[str, Any]
+) -> tuple[list[dict[str, Any]], list[Check]]:
+    """One model's lone-request rows and checks (``run_latency``)."""
+    workdir = Path(cfg.workdir)
+    variants = cfg.lone_variants
+    rows: list[dict[str, Any]] = []
+    checks: list[Check] = []
+    checkpoint = ensure_checkpoint(size, workdir, log, cfg.dtype)
+    n = max(cfg.tiles_at(size, 1), 16)
+    load_bodies(n, cfg.seed, workdir, log)  # built once, cached for the processes below
+    calls = cfg.lone_calls if size != "small" else max(cfg.lone_calls // 3, 10)
+    processes = {
+        key: _start(cfg, OPEN_LONE, str(checkpoint), n, cfg.seed, str(workdir))
+        for key in dict.fromkeys(map(_lone_process, variants))
+    }
+    started = {v: processes[_lone_process(v)] for v in variants}
+    per: dict[str, list[float]] = {v: [] for v in variants}
+    try:
+        for handle in processes.values():
+            handle.wait_ready()
+        for variant, handle in started.items():
+            handle.call("measure", variant, 5)  # warm-up
+        log(f"[latency {size}] {len(processes)} processes started and warmed up")
+        _note_environment(environment, size, list(processes.values()))
+        for r in range(cfg.rounds):
+            for variant in _shuffled(variants, cfg.seed, r, size):
+                per[variant].append(p50_ms(started[variant].call("measure", variant, calls)))
+            log(
+                f"[latency {size}] round {r + 1}/{cfg.rounds} "
+                + " ".join(f"{v}={per[v][-1]:.2f}ms" for v in variants)
             )
-        # Target: lone p50 <= 1.2 x raw forward(1) + 1 ms; reported as lone / bound (<= 1).
-        # The first reading is issue 5's: the model alone, called as a lone caller calls
-        # (after a pause). The others are diagnostics, no issue's (issue ""): the same bound
-        # against a hot model, and against the request's whole work without a scheduler.
-        for reading, base, issue in (
-            ("raw forward(1)", "raw-forward-1", "5"),
-            ("raw forward(1) back to back", "raw-forward-1-hot", ""),
-            ("pipeline(1)", "pipeline-1", ""),
-        ):
-            rounds = [
-                lone_ms / (1.2 * base_ms + 1.0)
-                for lone_ms, base_ms in zip(per["dynamic-asyncio"], per[base], strict=True)
-            ]
-            bound = 1.2 * statistics.median(per[base]) + 1.0
-            checks.append(
-                Check(
-                    f"lone latency / (1.2 x {reading} + 1 ms)",
-                    issue,
-                    _median(rounds),
-                    1.0,
-                    False,
-                    rounds,
-                    f"{size} model, asyncio, max_wait_ms=5: "
-                    f"{statistics.median(per['dynamic-asyncio']):.2f} ms vs bound {bound:.2f} ms",
-                )
+    finally:
+        for handle in processes.values():
+            handle.close()
+    for variant in variants:
+        rows.append(
+            {
+                "model": size,
+                "variant": variant,
+                "p50_ms": statistics.median(per[variant]),
+                "p50_ms_rounds": [round(v, 3) for v in per[variant]],
+            }
+        )
+    # Target: lone p50 <= 1.2 x raw forward(1) + 1 ms; reported as lone / bound (<= 1).
+    # The first reading is issue 5's: the model alone, called as a lone caller calls
+    # (after a pause). The others are diagnostics, no issue's (issue ""): the same bound
+    # against a hot model, and against the request's whole work without a scheduler.
+    for reading, base, issue in (
+        ("raw forward(1)", "raw-forward-1", "5"),
+        ("raw forward(1) back to back", "raw-forward-1-hot", ""),
+        ("pipeline(1)", "pipeline-1", ""),
+    ):
+        rounds = [
+            lone_ms / (1.2 * base_ms + 1.0)
+            for lone_ms, base_ms in zip(per["dynamic-asyncio"], per[base], strict=True)
+        ]
+        bound = 1.2 * statistics.median(per[base]) + 1.0
+        checks.append(
+            Check(
+                f"lone latency / (1.2 x {reading} + 1 ms)",
+                issue,
+                _median(rounds),
+                1.0,
+                False,
+                rounds,
+                f"{size} model, asyncio, max_wait_ms=5: "
+                f"{statistics.median(per['dynamic-asyncio']):.2f} ms vs bound {bound:.2f} ms",
             )
-    return {"rows": rows, "checks": [c.as_dict() for c in checks]}
+        )
+    return rows, checks
 
 
 # -- the whole run -------------------------------------------------------------------------------
