@@ -284,15 +284,15 @@ def test_a_loaded_cpu_forward_pass_leaves_the_decoders_their_cores(
 
 
 def test_a_loaded_sharded_pass_is_recorded(tiny_model: ServerModel) -> None:
-    """A sharded pass keeps its workers (one thread each), but its cost is what a later small
-    pass of the same burst weighs leaving a core against: without it, a burst whose passes are
-    all sharded would never know the forward pass's cost."""
+    """A sharded pass keeps its workers (one thread each), but its cost is what a later
+    one-tile pass of the same burst weighs leaving a core against: without it, a burst whose
+    passes are all sharded would never know the forward pass's cost."""
     worker = device_thread("cpu")
     full = worker.call(torch.get_num_threads)
     if not shards.available(tiny_model, full):
         pytest.skip("passes are not sharded on this machine")
     threads: list[int] = []
-    model, _ = hooked_model(
+    model, watch = hooked_model(
         tiny_model, lambda batch: threads.append(torch.get_num_threads()), sharded=True
     )
     size = tiny_model.assets.tile_size
@@ -303,7 +303,34 @@ def test_a_loaded_sharded_pass_is_recorded(tiny_model: ServerModel) -> None:
     worker.call(_forward, model, tiles, "predict", share, lambda: True)
     per_tile = share._forward.per_tile()
     assert per_tile is not None and per_tile > 0
+    assert watch.sizes == [1, 1, 1, 1]  # both passes in two parts of one tile (small batches)
     assert set(threads) == {1}  # every part on a single-threaded worker, both times
+
+
+def test_a_pass_left_on_fewer_threads_is_not_sharded_by_their_count(
+    tiny_model: ServerModel,
+) -> None:
+    """With more torch threads than passes are sharded for (5), a loaded pass that leaves the
+    decoders a core runs on 4: whole, on torch's threads, not sharded as a 4-thread box's
+    would be (the plan is made for every thread the pass could have had)."""
+    if not per_thread_counts_supported():
+        pytest.skip("torch's OpenMP runtime here is not libgomp: per-thread counts unsupported")
+    wide = shards.MAX_WORKERS + 1
+    threads: list[int] = []
+    model, watch = hooked_model(
+        tiny_model, lambda batch: threads.append(torch.get_num_threads()), sharded=True
+    )
+    size = tiny_model.assets.tile_size
+    tiles = [torch.zeros(3, size, size, dtype=torch.uint8)] * 4
+    share = CoreShare(decode_threads=1)  # nothing measured yet: a loaded pass leaves a core
+
+    def loaded_pass_on_a_wide_box() -> None:
+        with thread_count(wide):
+            _forward(model, tiles, "predict", share, lambda: True)
+
+    device_thread("cpu").call(loaded_pass_on_a_wide_box)
+    assert watch.sizes == [4]  # one piece
+    assert threads == [wide - 1]  # a core left to the decoders
 
 
 def _os_threads() -> int:

@@ -382,8 +382,13 @@ def _raise_on_poison(batch: torch.Tensor) -> None:
         raise RuntimeError("the device choked on a poisoned tile")
 
 
-async def test_a_poisoned_sample_fails_alone_in_its_batch(tiny_model: ServerModel) -> None:
-    model, watch = hooked_model(tiny_model, _raise_on_poison)
+@pytest.mark.parametrize("sharded", [False, True], ids=["whole", "sharded"])
+async def test_a_poisoned_sample_fails_alone_in_its_batch(
+    tiny_model: ServerModel, sharded: bool
+) -> None:
+    # Sharded (what a CPU box with 2-4 threads runs): a failing part fails the pass, which
+    # is bisected like any other.
+    model, watch = hooked_model(tiny_model, _raise_on_poison, sharded=sharded)
     poisoned = 1000  # not one of the good indices
     poison_body = make_body(
         poisoned, image_data=_png_b64(np.full((224, 224, 3), _POISON, dtype=np.uint8))

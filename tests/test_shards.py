@@ -68,6 +68,35 @@ def test_plan(
     assert shards.plan(tiny_model, tiles_, threads) == expected
 
 
+@needs_per_thread_counts
+def test_every_plan_covers_its_tiles_in_parts_none_empty(tiny_model: ServerModel) -> None:
+    for threads in range(1, 9):
+        for n in range(1, 513):
+            workers, size = shards.plan(tiny_model, n, threads)
+            if workers == 1:  # not sharded: the whole batch on torch's threads
+                assert size == n
+                assert n == 1 or not 2 <= threads <= shards.MAX_WORKERS
+                continue
+            parts = -(-n // size)
+            assert 2 <= workers <= min(threads, parts)
+            assert (parts - 1) * size < n <= parts * size  # the last part is not empty
+
+
+@needs_per_thread_counts
+@pytest.mark.parametrize("as_list", [False, True])
+def test_a_small_sharded_pass_answers_every_tile_in_order(
+    tiny_model: ServerModel, as_list: bool
+) -> None:
+    batch = tiles(3, seed=3)
+    sizes: list[int] = []
+    model, _ = hooked_model(tiny_model, lambda part: sizes.append(int(part.shape[0])), sharded=True)
+    out = on_device(shards.forward, model, list(batch) if as_list else batch, "predict", 2)
+    whole = tiny_model.forward_batch(batch, "predict")
+    assert out.predictions is not None and whole.predictions is not None
+    torch.testing.assert_close(out.predictions, whole.predictions)
+    assert sorted(sizes) == [1, 2]  # 2 + 1, on two workers
+
+
 def test_accelerators_are_never_sharded(tiny_model: ServerModel) -> None:
     on_gpu = copy.copy(tiny_model)
     on_gpu.device = torch.device("cuda")
@@ -270,6 +299,6 @@ def test_parts_run_on_no_openmp_team_of_their_own(tiny_checkpoint: Path) -> None
 
 def test_describe_says_how_passes_run_here() -> None:
     if per_thread_counts_supported():
-        assert shards.describe(2).startswith("batches of 2+ tiles sharded across 2")
+        assert shards.describe(2).startswith("batches of 2+ tiles sharded across up to 2")
         assert "not sharded: 8 threads" in shards.describe(shards.MAX_WORKERS * 2)
     assert shards.describe(1) == "on torch's threads (not sharded: 1 thread)"

@@ -108,7 +108,7 @@ class RawForward(BenchPath):
     """The forward pass over pre-decoded, pre-stacked tiles (as issue 5 defines the limit):
     no request handling.
 
-    Run as the clients run it: ``models.shards.forward`` (a big enough CPU batch is sharded)
+    Run as the clients run it: ``models.shards.forward`` (a CPU batch of 2+ tiles is sharded)
     of the batch's rows, which ``ServerModel.forward_tiles`` normalizes straight into the
     float batch. A stacked batch would take ``forward_batch``'s three passes over memory
     instead: a batch of 64 of the tiny model 1.52-1.55 ms a tile against 1.43-1.49 (session

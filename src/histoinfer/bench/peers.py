@@ -13,12 +13,13 @@ forward pass, postprocess + JSON on the loop) so that the batching machinery is 
 Both are given what our clients have, so that the comparison is of the batchers: their forward
 passes run on the thread that runs ours (the device's thread, models/device_thread.py, behind an
 ``Executor``: :func:`forward_thread`), not in the loop's default executor, and as ours run
-(``models.shards.forward``: a big CPU batch is sharded). In the default executor a pass waits
-behind every decode already queued there, so decoding and passes never overlap; and any thread
+(``models.shards.forward``: a CPU batch of 2+ tiles is sharded). In the default executor a pass
+waits behind every decode already queued there, so decoding and passes never overlap; and any thread
 other than the device's leaves a second OpenMP team in the process (the model's load-time probe
 ran on the device's), which puts every small pass in the slow regime (~3x for one tile). What
-they do not get is ``CoreShare`` (clients/cores.py), our clients' rule for running a small
-loaded pass on one thread fewer while requests are being decoded: that is scheduling, ours.
+they do not get is ``CoreShare`` (clients/cores.py), our clients' rule for running a loaded
+pass that is not sharded (one tile, where passes are sharded) on one thread fewer while requests
+are being decoded: that is scheduling, ours.
 """
 
 from __future__ import annotations

@@ -50,7 +50,8 @@ _DECAY = 0.8
 _SLACK = 6.0
 # While loaded passes keep every core, one in this many leaves the decoders' anyway: their cost
 # is learned only from passes that leave, so one slow measurement would otherwise keep the
-# choice for good. A heavy model pays ~1.7x on one small pass in 16 (ViT-S on 2 cores).
+# choice for good. A heavy model pays ~1.7x on one small pass in 16 (ViT-S on 2 cores; where
+# passes are sharded, only one-tile passes are asked).
 _PROBE = 16
 # A measurement counts for at most this many times the average so far: one preempted pass
 # (a tile of the tiny model has taken 50 ms on one thread) must not flip the choice alone.

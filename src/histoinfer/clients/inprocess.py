@@ -130,7 +130,9 @@ def _forward(
     # Filling the batch too: a parallel copy wakes the OpenMP workers, which then spin a while.
     with thread_count(threads if threads != all_threads else None):
         started = time.perf_counter()
-        output = shards.forward(model, tiles, mode)
+        # Planned for every thread, as above: a pass left on fewer threads must not be split
+        # by a plan for those (5 torch threads less one left is 4, which shards).
+        output = shards.forward(model, tiles, mode, all_threads)
     # Recorded: passes on single-threaded workers (sharded) or on the threads left after the
     # decoders'. A loaded pass on torch's whole team is not: beside busy decoders its wall time
     # is the team waiting at barriers for descheduled threads (a tiny-model tile measured at
@@ -875,7 +877,7 @@ async def _in_host_loop(fn: Callable[[str], Coroutine[Any, Any, T]], body: str) 
 
 def _default_prepare_threads(model: ServerModel) -> int:
     """Decode threads per loop: on a CPU device, the cores torch's forward pass leaves free,
-    or every core where big passes are sharded.
+    or every core where passes are sharded.
 
     A CPU forward pass on torch's threads holds ``torch.get_num_threads()`` cores (its OpenMP
     workers spin between ops); more decoders than the remaining cores oversubscribe the

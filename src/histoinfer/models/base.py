@@ -119,7 +119,8 @@ class ServerModel:
 
     #: Modes this model serves; others raise :class:`UnsupportedModeError`.
     modes: ClassVar[tuple[Mode, ...]] = MODES
-    #: Whether a big CPU batch may run as parts on several threads at once (models/shards.py);
+    #: Whether a CPU batch of 2+ tiles may run as parts on several threads at once (models/
+    #: shards.py);
     #: ``forward_batch`` must then be safe to call from several threads at once, as the
     #: built-in one is. Set it to False in a subclass whose ``forward_batch`` is not.
     shard_cpu_passes: ClassVar[bool] = True

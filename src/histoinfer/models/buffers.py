@@ -8,7 +8,7 @@ normalizing a batch of 64 took ~12.8 ms on one core instead of ~4.7 ms into a re
 batches lease the buffer.
 
 A CPU forward pass may run as shards on several threads at once (models/shards.py), so the
-buffer is a small pool: as many tensors as passes have ever run at the same time, each grown to
+buffer is a small pool: as many tensors as parts have ever run at the same time, each grown to
 the largest batch it has held.
 """
 

@@ -14,14 +14,15 @@ loop where it was 1.11-1.15x; the small model (ViT-S) +14-18% on every path.
 
 It is still one forward pass (SPEC §5: one at a time per device): the device's thread runs it,
 works on its parts itself, and returns only once every helper is done with the others. Every
-batch of two tiles or more is sharded: one part per worker, two per worker once parts of
+batch of two tiles or more is sharded: one part per worker, up to two per worker once parts of
 ``MIN_PART_TILES`` fit. Small batches too (session 16), because what the team costs them comes
 after the pass: its workers spin ~5 ms after it on the core a decoder needs just then, when the
 callers of a small batch come back with their next requests. At 4 and 8 callers in flight that
 made dynamic batching 0.7-0.95x the explicit loop; sharded, a pass of 2-15 tiles takes about the
 team's time (0.95-1.05x for an even count, 1.07-1.17x for 3 or 5 tiles on 2 workers) and dynamic
-batching gained +31% at 4 and 8 in flight (docs/benchmarks-history.md, "Session 16"). A lone
-tile keeps torch's threads, which is what makes a lone request fast. Boxes with more than
+batching at 8 in flight went from 340 to 407 tiles/s side by side (docs/benchmarks-history.md,
+"Session 16"; measured on 2 threads only, as the rest of this rule). A lone tile keeps torch's
+threads, which is what makes a lone request fast. Boxes with more than
 ``MAX_WORKERS`` torch threads keep torch's threads too: many single-threaded parts would queue
 for the GIL, which the program's Python holds between ops, and it has not been measured there.
 """
@@ -53,7 +54,7 @@ Tiles = torch.Tensor | Sequence[torch.Tensor]
 
 
 def available(model: ServerModel, threads: int) -> bool:
-    """Whether big enough passes of ``model`` with ``threads`` torch threads are sharded."""
+    """Whether passes of 2+ tiles of ``model`` with ``threads`` torch threads are sharded."""
     return model.device.type == "cpu" and model.shardable and _machine_allows(threads)
 
 
@@ -61,7 +62,7 @@ def describe(threads: int) -> str:
     """How CPU forward passes of a ``torch.export`` model run here, for reports."""
     if _machine_allows(threads):
         return (
-            f"batches of 2+ tiles sharded across {threads} single-threaded workers, "
+            f"batches of 2+ tiles sharded across up to {threads} single-threaded workers, "
             "a lone tile on torch's threads"
         )
     if 2 <= threads <= MAX_WORKERS:
@@ -82,9 +83,9 @@ def plan(model: ServerModel, tiles: int, threads: int) -> tuple[int, int]:
     if tiles < 2 or not available(model, threads):
         return 1, tiles
     workers = min(threads, tiles)
-    # One part per worker, two once parts of MIN_PART_TILES fit, as even as they come (17
-    # tiles: 9 + 8, not 8 + 8 + 1); a second part lets a worker whose core a decoder took do
-    # less. Rounding may leave a worker without a part (5 tiles on 4 threads: 2 + 2 + 1).
+    # One part per worker; more (up to two a worker) once parts of MIN_PART_TILES fit: a worker
+    # whose core a decoder took then does less. As even as they come (17 tiles: 9 + 8, not
+    # 8 + 8 + 1). Rounding may leave a worker without a part (5 tiles on 4 threads: 2 + 2 + 1).
     parts = max(workers, min(workers * _PARTS_PER_WORKER, tiles // MIN_PART_TILES))
     size = -(-tiles // parts)
     return min(workers, -(-tiles // size)), size
