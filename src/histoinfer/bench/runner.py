@@ -65,12 +65,14 @@ class BenchConfig:
     dtype: str = "float32"
     seed: int = 0
     suites: tuple[str, ...] = ALL_SUITES
-    # The small model costs ~40 ms a tile here: fewer paths, one level, fewer tiles and rounds.
+    # The small model costs ~40 ms a tile here: fewer paths, one level, fewer tiles. As many
+    # rounds as a verdict needs (DECIDING_ROUNDS): with 3, its targets were never decided
+    # (~50 s a round on 2 cores).
     small_paths: tuple[str, ...] = ("raw", "explicit", "dynamic-asyncio", "dynamic-trio")
     small_levels: tuple[int, ...] = (512,)
     small_modes: tuple[Mode, ...] = ("predict",)
     small_tiles: int = 256
-    small_rounds: int = 3
+    small_rounds: int = 5
     overhead_levels: tuple[int, ...] = (1, 64, 512)
     overhead_requests: int = 20_000
     lone_calls: int = 60
