@@ -398,19 +398,16 @@ def run_throughput(
     cfg: BenchConfig, log: Log, environment: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """The sweep; torch's side of the run's ``environment`` is noted there, as children saw it.
-
-    A model whose measurements fail is recorded under ``failed`` and left out (its partial
-    rounds too); the other models' results stay: a run is long."""
+    A model that fails is recorded under ``failed`` and left out (``_each_model``)."""
     environment = {} if environment is None else environment
-    sweep = _Sweep()
-    failed: list[dict[str, str]] = []
-    for size in cfg.models:
-        try:
-            _sweep_model(cfg, size, log, environment, sweep)
-        except Exception as exc:
-            failed.append(_failure(f"throughput ({size} model)", exc, log))
-            for key in [k for k in sweep.samples if k[0] == size]:
-                del sweep.samples[key]
+
+    def sweep_model(size: str) -> _Sweep:
+        part = _Sweep()
+        _sweep_model(cfg, size, log, environment, part)
+        return part
+
+    parts, failed = _each_model(cfg, "throughput", log, sweep_model)
+    sweep = _Sweep.merged(parts)
     return {
         "rows": sweep.rows,
         "skipped": sweep.skipped,
@@ -429,6 +426,17 @@ class _Sweep:
     skipped: list[dict[str, str]] = field(default_factory=list)
     notes: list[dict[str, str]] = field(default_factory=list)
     samples: Samples = field(default_factory=dict)
+
+    @classmethod
+    def merged(cls, parts: Sequence[_Sweep]) -> _Sweep:
+        """The models' sweeps as one (their samples' keys start with the model)."""
+        whole = cls()
+        for part in parts:
+            whole.rows += part.rows
+            whole.skipped += part.skipped
+            whole.notes += part.notes
+            whole.samples.update(part.samples)
+        return whole
 
 
 def _sweep_model(
@@ -637,22 +645,14 @@ def run_latency(
     cfg: BenchConfig, log: Log, environment: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """A lone request against its bound; torch's side of ``environment`` is noted there.
-
-    A model whose measurements fail is recorded under ``failed`` and left out (its partial
-    rounds too); the other models' results stay, as in the throughput suite."""
+    A model that fails is recorded under ``failed`` and left out (``_each_model``)."""
     environment = {} if environment is None else environment
-    rows: list[dict[str, Any]] = []
-    checks: list[Check] = []
-    failed: list[dict[str, str]] = []
-    for size in cfg.models:
-        try:
-            model_rows, model_checks = _latency_model(cfg, size, log, environment)
-        except Exception as exc:
-            failed.append(_failure(f"latency ({size} model)", exc, log))
-            continue
-        rows.extend(model_rows)
-        checks.extend(model_checks)
-    return {"rows": rows, "checks": [c.as_dict() for c in checks], "failed": failed}
+    parts, failed = _each_model(
+        cfg, "latency", log, lambda size: _latency_model(cfg, size, log, environment)
+    )
+    rows = [row for model_rows, _ in parts for row in model_rows]
+    checks = [check.as_dict() for _, model_checks in parts for check in model_checks]
+    return {"rows": rows, "checks": checks, "failed": failed}
 
 
 def _latency_model(
@@ -763,6 +763,22 @@ def environment() -> dict[str, Any]:
         "trio": trio.__version__,
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
+
+
+def _each_model(
+    cfg: BenchConfig, suite: str, log: Log, measure: Callable[[str], T]
+) -> tuple[list[T], list[dict[str, str]]]:
+    """``measure(size)`` for every model of the run, and the failures: a model whose
+    measurement fails is recorded (``"SUITE (SIZE model)"``) and left out, its partial results
+    with it; the others' stay, since a run is long."""
+    done: list[T] = []
+    failed: list[dict[str, str]] = []
+    for size in cfg.models:
+        try:
+            done.append(measure(size))
+        except Exception as exc:
+            failed.append(_failure(f"{suite} ({size} model)", exc, log))
+    return done, failed
 
 
 def _failure(what: str, exc: Exception, log: Log) -> dict[str, str]:
