@@ -18,7 +18,7 @@ batch of two tiles or more is sharded: one part per worker, up to two per worker
 ``MIN_PART_TILES`` fit. Small batches too (session 16), because what the team costs them comes
 after the pass: its workers spin ~5 ms after it on the core a decoder needs just then, when the
 callers of a small batch come back with their next requests. At 4 and 8 callers in flight that
-made dynamic batching 0.7-0.95x the explicit loop; sharded, a pass of 2-15 tiles takes about the
+made dynamic batching 0.7-0.97x the explicit loop; sharded, a pass of 2-15 tiles takes about the
 team's time (0.95-1.05x for an even count, 1.07-1.17x for 3 or 5 tiles on 2 workers) and dynamic
 batching at 8 in flight went from 340 to 407 tiles/s side by side (docs/benchmarks-history.md,
 "Session 16"; measured on 2 threads only, as the rest of this rule). A lone tile keeps torch's
