@@ -425,8 +425,11 @@ def test_cli_runs_and_reports(workdir: Path, tmp_path: Path, capsys: pytest.Capt
     assert data["environment"]["png_decoders"] == decoders
     assert f"first that takes a tile: {', '.join(decoders)}." in (out / "report.md").read_text()
     # And whether the program's graph ran in TorchScript's interpreter (models/scripted.py).
-    assert data["environment"]["program_runner"] == {"tiny": "TorchScript interpreter"}
-    assert "The program runs as: TorchScript interpreter." in (out / "report.md").read_text()
+    assert data["environment"]["program_runner"] == {
+        "tiny": "TorchScript interpreter, channels-last batches"
+    }
+    report = (out / "report.md").read_text()
+    assert "The program runs as: TorchScript interpreter, channels-last batches." in report
 
 
 def test_script_entry_point_rejects_unknown_suite(workdir: Path) -> None:

@@ -56,7 +56,7 @@ class OpenPath:
             "note": path.note,
             "environment": torch_environment(),
             # how its program ran (TorchScript's interpreter or an fx module: models/scripted.py)
-            "program_runner": model.runner if model is not None else None,
+            "program_runner": _runs_as(model) if model is not None else None,
             "has_model": model is not None,
         }
 
@@ -123,8 +123,14 @@ def open_lone(checkpoint: str, bodies: int, seed: int, workdir: str) -> LoneLate
     model = build_server_model("h1", checkpoint)
     loaded = load_bodies(bodies, seed, Path(workdir), _silent)
     lone = LoneLatency(model, loaded, prepare_tiles(model, loaded))
-    lone.info.update(environment=torch_environment(), program_runner=model.runner)
+    lone.info.update(environment=torch_environment(), program_runner=_runs_as(model))
     return lone
+
+
+def _runs_as(model: ServerModel) -> str:
+    """How ``model``'s passes run, for the report: its program (models/scripted.py) and the
+    layout of its CPU batches."""
+    return f"{model.runner}, {model.batch_layout} batches"
 
 
 def _silent(message: str) -> None:

@@ -23,7 +23,7 @@ import torch
 
 from ..clients.inprocess import InProcessClient
 from ..models import shards
-from ..models.base import ServerModel
+from ..models.base import ServerModel, stack_tiles
 from ..models.device_thread import device_thread
 from ..schema import Mode
 from .loopback import ServerProcess, http_unavailable
@@ -129,7 +129,8 @@ class RawForward(BenchPath):
             # Stacked here, before the clock: a torch op on any other thread (this process's
             # main thread) would leave a second OpenMP team in the process, and every small
             # pass would run in the slow regime (models/device_thread.py): ~3x for one tile.
-            stacks = [torch.stack([tiles[i] for i in r]) for r in chunks]
+            # In the tiles' own layout (channels-last rows, where the model's batches are).
+            stacks = [stack_tiles([tiles[i] for i in r], keep_layout=True) for r in chunks]
             batches = [list(stack) for stack in stacks]  # its rows: views, no copy
             started = clock()
             for batch in batches:

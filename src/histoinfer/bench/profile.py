@@ -96,6 +96,7 @@ STEP_NAMES: dict[str, tuple[str, int]] = {
 def step_functions(model: Any, bodies: list[str]) -> dict[str, Callable[[int], object]]:
     """Each step of a request as ``fn(i)`` over ready inputs, keyed like :data:`STEP_NAMES`."""
     from ..models import imaging, png
+    from ..models.base import stack_tiles
     from ..schema import parse_request
 
     n = len(bodies)
@@ -111,7 +112,7 @@ def step_functions(model: Any, bodies: list[str]) -> dict[str, Callable[[int], o
         torch.randint(0, 256, (256, 256, 3), dtype=torch.uint8, generator=generator).numpy()
     )
     tiles = [model.prepare_sample(r) for r in requests]
-    batch64 = [torch.stack([tiles[(k + j) % n] for j in range(64)]) for k in range(4)]
+    batch64 = [stack_tiles([tiles[(k + j) % n] for j in range(64)], True) for k in range(4)]
     outputs = model.forward_batch(batch64[0], "predict")
     samples = outputs.split()
 
@@ -142,7 +143,7 @@ def step_functions(model: Any, bodies: list[str]) -> dict[str, Callable[[int], o
         "tensor build (tobytes + frombuffer)": tensor,
         "prepare_sample total (base64..tensor)": lambda i: model.prepare_sample(requests[i % n]),
         "stack (batch of 64; GPUs only since forward_tiles)": (
-            lambda i: torch.stack([tiles[(i + j) % n] for j in range(64)])
+            lambda i: stack_tiles([tiles[(i + j) % n] for j in range(64)], keep_layout=True)
         ),
         # What the clients run (ServerModel.forward_tiles: no stack on a CPU), unsharded.
         "forward (64 tiles, incl. normalize)": (

@@ -37,7 +37,48 @@ from .device_thread import device_thread
 from .imaging import decode_tile
 from .scripted import script_program, scripted_equal
 
-__all__ = ["BatchOutput", "SampleOutput", "ServerModel", "non_finite_error"]
+__all__ = [
+    "BatchOutput",
+    "SampleOutput",
+    "ServerModel",
+    "hwc_view",
+    "non_finite_error",
+    "stack_tiles",
+]
+
+#: :attr:`ServerModel.batch_layout` where CPU batches are channels-last
+CHANNELS_LAST = "channels-last"
+
+
+def hwc_view(tile: torch.Tensor) -> torch.Tensor | None:
+    """A ``[3, H, W]`` tile's pixels as a contiguous ``[H, W, 3]`` view, if its memory is laid
+    out so (as decoded tiles are: models/imaging.py); else None."""
+    if tile.dim() != 3:
+        return None
+    pixels = tile.permute(1, 2, 0)
+    return pixels if pixels.is_contiguous() else None
+
+
+def stack_tiles(tiles: Sequence[torch.Tensor], keep_layout: bool) -> torch.Tensor:
+    """``tiles`` as one ``[B, 3, H, W]`` batch. With ``keep_layout``, tiles laid out as decoded
+    are stacked as they are (plain copies; the batch has channels-last strides), which saves
+    an accelerator's feeding thread the transposing copy: the device makes it contiguous."""
+    pixels = _pixels(tiles) if keep_layout else None
+    if pixels is not None:
+        return torch.stack(pixels).permute(0, 3, 1, 2)
+    return torch.stack(list(tiles))
+
+
+def _pixels(tiles: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
+    """Every tile's :func:`hwc_view`, or None if one is laid out otherwise."""
+    views = []
+    for tile in tiles:
+        view = hwc_view(tile)
+        if view is None:
+            return None
+        views.append(view)
+    return views
+
 
 log = logging.getLogger(__name__)
 #: Where loading an untrained checkpoint is announced, once a process for each (its own name:
@@ -128,6 +169,11 @@ class ServerModel:
     #: scripted.py: no GIL between ops), which it does only if it returns exactly what the
     #: program returns on the load-time probe. Set it to False to always run the fx module.
     script_program: ClassVar[bool] = True
+    #: Whether a CPU batch of decoded tiles may be laid out channels-last (``[B, 3, T, T]``
+    #: with NHWC strides: each tile's pixels as they were decoded, no transposing copy), which
+    #: it is only if the program returns exactly what it returns on a contiguous batch on the
+    #: load-time probe. Set it to False to always pass contiguous batches.
+    channels_last_batches: ClassVar[bool] = True
     #: Limits on one tile's encoded size and decoded pixel count.
     max_image_bytes: ClassVar[int] = 32 * 1024 * 1024
     max_image_pixels: ClassVar[int] = 4096 * 4096
@@ -141,6 +187,9 @@ class ServerModel:
         # (x / 255 - mean) / std  ==  x * scale + shift: one fused pass over the batch.
         self._scale = (1.0 / (255.0 * std)).to(self.device)
         self._shift = (-mean / std).to(self.device)
+        # The same along a row of a channels-last batch, [T, 3T] (_run_channels_last).
+        self._row_scale = self._scale.reshape(3).repeat(assets.tile_size)
+        self._row_shift = self._shift.reshape(3).repeat(assets.tile_size)
         self._input_buffer = InputBuffer()
         self._metadata = self._build_metadata()
         if not assets.trained and checkpoint.sha256 not in _announced:
@@ -170,6 +219,8 @@ class ServerModel:
         #: how the program runs: "TorchScript interpreter", "fx GraphModule (why not scripted)"
         #: or "AOTInductor" (the bench reports it: it changes every figure)
         self.runner: str = device_thread(self.device).call(self._script)
+        #: how CPU batches of decoded tiles are laid out: "channels-last" or "contiguous (why)"
+        self.batch_layout: str = device_thread(self.device).call(self._choose_layout)
 
     @classmethod
     def from_files(
@@ -294,19 +345,47 @@ class ServerModel:
         What the clients call. On a CPU each tile is converted and normalized straight into
         its row of the (leased) float batch while that row is in the cache: no stacked copy,
         and one pass over memory instead of three (~30% less time than stacking, for a part
-        of 16 tiles or a lone tile; the values are bit-identical). A subclass or instance that
-        overrides ``forward_batch`` gets it called with the stacked batch, as before.
+        of 16 tiles or a lone tile; the values are bit-identical). Tiles laid out as decoded
+        (:func:`hwc_view`) fill a channels-last batch where :attr:`batch_layout` allows:
+        their decoding skipped a transposing copy, and the program's first convolution
+        takes that layout without reordering it (see :meth:`_choose_layout`). A subclass or
+        instance that overrides ``forward_batch`` gets it called with the stacked batch, as
+        before (contiguous).
         """
         if self.device.type != "cpu" or self._forward_batch_overridden() or not tiles:
-            return self.forward_batch(torch.stack(list(tiles)), mode)
+            return self.forward_batch(
+                stack_tiles(tiles, keep_layout=self.device.type != "cpu"), mode
+            )
         shape = (len(tiles), *tiles[0].shape)
-        with torch.inference_mode(), self._input_buffer.take(shape) as x:
-            scale, shift = self._scale[0], self._shift[0]
-            for row, tile in zip(x, tiles, strict=True):
-                if tile.shape != row.shape:
-                    raise ValueError(f"tiles of shapes {shape[1:]} and {tuple(tile.shape)}")
-                row.copy_(tile).mul_(scale).add_(shift)
-            return self._run(x, mode)
+        with torch.inference_mode():
+            size = self.assets.tile_size
+            takes = self.batch_layout == CHANNELS_LAST and shape[1:] == (3, size, size)
+            pixels = _pixels(tiles) if takes else None
+            if pixels is not None:
+                return self._run_channels_last(shape, pixels, mode)
+            with self._input_buffer.take(shape) as x:
+                scale, shift = self._scale[0], self._shift[0]
+                for row, tile in zip(x, tiles, strict=True):
+                    if tile.shape != row.shape:
+                        raise ValueError(f"tiles of shapes {shape[1:]} and {tuple(tile.shape)}")
+                    row.copy_(tile).mul_(scale).add_(shift)
+                return self._run(x, mode)
+
+    def _run_channels_last(
+        self, shape: tuple[int, ...], pixels: list[torch.Tensor], mode: Mode
+    ) -> BatchOutput:
+        """:meth:`forward_tiles` of tiles given as their ``[T, T, 3]`` pixels: each row is
+        filled as ``[T, 3T]`` (rows of interleaved channels), so that the per-channel scale
+        and shift broadcast along a long contiguous row (as ``[T, T, 3]`` with a channel
+        dimension of 3 innermost, torch's loop ran ~3.5x slower)."""
+        n, c, h, w = shape
+        with self._input_buffer.take((n, h, w * c)) as rows:
+            for row, tile in zip(rows, pixels, strict=True):
+                if tile.shape != (h, w, c):
+                    got = tuple(tile.permute(2, 0, 1).shape)
+                    raise ValueError(f"tiles of shapes {shape[1:]} and {got}")
+                row.copy_(tile.view(h, w * c)).mul_(self._row_scale).add_(self._row_shift)
+            return self._run(rows.view(n, h, w, c).permute(0, 3, 1, 2), mode)
 
     def _forward_batch_overridden(self) -> bool:
         return "forward_batch" in vars(self) or type(self).forward_batch is not (
@@ -394,6 +473,40 @@ class ServerModel:
             why = difference
         log.info("%s runs as an fx GraphModule: %s", self.checkpoint.path, why)
         return f"fx GraphModule ({why})"
+
+    def _choose_layout(self) -> str:
+        """Channels-last CPU batches, if the program answers them exactly as it answers a
+        contiguous batch (the probe's size and a lone tile's); else why not.
+
+        Tiles decode as ``[T, T, 3]`` pixels. A contiguous ``[B, 3, T, T]`` batch costs each
+        tile a transposing copy (~0.1 ms of a decode thread's CPU for 224 px), and the
+        reference models' patch-embedding convolution then reorders the batch to NHWC again
+        inside the pass; fed channels-last, the tiny model's pass on one thread took 0.84-0.94x
+        its time for parts of 16-32 tiles (docs/benchmarks.md, "What made it fast"). A program
+        whose ops need a contiguous input (a ``view`` of it) fails on it, or answers
+        differently: it keeps contiguous batches.
+        """
+        if not self.channels_last_batches:
+            return "contiguous (channels_last_batches is False)"
+        if self.device.type != "cpu":
+            return "contiguous (channels-last on CPUs only)"
+        size, dtype = self.assets.tile_size, self.checkpoint.input_dtype
+        seeded = torch.Generator().manual_seed(2)
+        for n in (2, 1):  # the probe's size (the program takes it: _check_outputs), a lone tile's
+            batch = torch.randn((n, 3, size, size), generator=seeded).to(dtype)
+            with torch.inference_mode():
+                try:
+                    want = self._run_program(batch)
+                except Exception:
+                    continue  # a program exported for a static batch: nothing to compare
+                try:
+                    got = self._run_program(batch.contiguous(memory_format=torch.channels_last))
+                except Exception as exc:
+                    why = f"fails on a channels-last batch of {n}: {first_line(exc)}"
+                    return f"contiguous (the program {why})"
+            if not all(torch.equal(a, b) for a, b in zip(want, got, strict=True)):
+                return f"contiguous (the program's outputs differ on a channels-last batch of {n})"
+        return CHANNELS_LAST
 
     def _check_outputs(self) -> None:
         """One forward pass at load time: a mismatched checkpoint fails now, naming the file."""

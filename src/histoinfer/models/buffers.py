@@ -37,7 +37,10 @@ class InputBuffer:
     def lease(self, batch: torch.Tensor, device: torch.device) -> Iterator[torch.Tensor]:
         """``batch`` converted to float32 on ``device``, in a tensor of the pool on a CPU."""
         if device.type != "cpu" or batch.device.type != "cpu":
-            yield batch.to(device, non_blocking=True).to(torch.float32, copy=True)
+            # Contiguous on the device, whatever the layout it came in (a channels-last stack
+            # of decoded tiles: ServerModel.forward_tiles).
+            x = batch.to(device, non_blocking=True)
+            yield x.to(torch.float32, copy=True, memory_format=torch.contiguous_format)
             return
         with self.take(tuple(batch.shape)) as x:
             yield x.copy_(batch)

@@ -13,7 +13,6 @@ import re
 import struct
 from collections.abc import Callable
 
-import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
@@ -117,16 +116,15 @@ except ImportError:  # pragma: no cover - exercised where the extra is missing
 
 
 def _to_tensor(pixels: torch.Tensor, tile_size: int) -> torch.Tensor:
-    """HWC bytes -> a contiguous [3, T, T] uint8 tile, so filling its batch row is a plain copy.
+    """HWC bytes -> a ``[3, T, T]`` uint8 tile: a view of the pixels as decoded, no copy.
 
-    The transposing copy is numpy's, on purpose: a torch copy this size is a parallel op, which
-    would give every decode thread an OpenMP team of its own and put the process in libgomp's
-    slow regime (models/device_thread.py; a lone request took ~1.3x as long). Measured with each
-    path in its own process, 2 pairs of runs: the batch stack on the forward thread gets
-    cheaper and every path gains 2-5% (explicit loop 479/489 -> 491/514 tiles/s, dynamic
-    asyncio 566/585 -> 593/617)."""
-    hwc = pixels.numpy().reshape(tile_size, tile_size, 3)
-    return torch.from_numpy(np.ascontiguousarray(hwc.transpose(2, 0, 1)))
+    The batch the tile joins is laid out channels-last where the model allows it
+    (``ServerModel.batch_layout``): its row is then a plain copy of these bytes. Until session
+    17 this made a contiguous ``[3, T, T]`` copy (numpy's transpose: ~0.1 ms of a decode
+    thread's CPU for 224 px; a torch copy would have been a parallel op, giving every decode
+    thread an OpenMP team: models/device_thread.py); a contiguous batch now makes that
+    transposing copy as it fills its rows, on the device's thread."""
+    return pixels.view(tile_size, tile_size, 3).permute(2, 0, 1)
 
 
 #: Marker segments a JPEG's header may have at most (encoders write ~10-40): the walk in
