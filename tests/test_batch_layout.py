@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -190,3 +190,27 @@ def test_channels_last_batches_can_be_turned_off(
     seen = batches_seen(model, monkeypatch)
     model.forward_tiles(decoded(model, 2), "predict")
     assert seen[0].is_contiguous()
+
+
+class _OwnForward(H1ServerModel):
+    """A subclass with its own ``forward_batch``: it sees every pass as a stacked batch."""
+
+    stacks: ClassVar[list[torch.Tensor]] = []
+
+    def forward_batch(self, batch: torch.Tensor, mode: Any) -> BatchOutput:
+        self.stacks.append(batch.clone(memory_format=torch.preserve_format))
+        return super().forward_batch(batch, mode)
+
+
+def test_an_overridden_forward_batch_gets_a_contiguous_stack(
+    tiny_checkpoint: Path, tiny_model: ServerModel
+) -> None:
+    model = _OwnForward.from_files(tiny_checkpoint)
+    _OwnForward.stacks.clear()  # the load-time probe's
+    tiles = decoded(model, 3)
+    got = outputs(model.forward_tiles(tiles, "predict_with_embedding"))
+    [stack] = _OwnForward.stacks
+    assert stack.is_contiguous() and torch.equal(stack, torch.stack(tiles))
+    want = outputs(tiny_model.forward_tiles(tiles, "predict_with_embedding"))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)

@@ -352,10 +352,11 @@ class ServerModel:
         instance that overrides ``forward_batch`` gets it called with the stacked batch, as
         before (contiguous).
         """
-        if self.device.type != "cpu" or self._forward_batch_overridden() or not tiles:
-            return self.forward_batch(
-                stack_tiles(tiles, keep_layout=self.device.type != "cpu"), mode
-            )
+        overridden = self._forward_batch_overridden()
+        if self.device.type != "cpu" or overridden or not tiles:
+            # The built-in forward_batch on an accelerator makes the batch contiguous there.
+            keep = self.device.type != "cpu" and not overridden
+            return self.forward_batch(stack_tiles(tiles, keep_layout=keep), mode)
         shape = (len(tiles), *tiles[0].shape)
         with torch.inference_mode():
             size = self.assets.tile_size
