@@ -209,6 +209,9 @@ def test_an_overridden_forward_batch_gets_a_contiguous_stack(
     _OwnForward.stacks.clear()  # the load-time probe's
     tiles = decoded(model, 3)
     got = outputs(model.forward_tiles(tiles, "predict_with_embedding"))
+    assert model.batch_layout == (
+        "contiguous (forward_batch is overridden: it gets stacked batches)"
+    )
     [stack] = _OwnForward.stacks
     assert stack.is_contiguous() and torch.equal(stack, torch.stack(tiles))
     want = outputs(tiny_model.forward_tiles(tiles, "predict_with_embedding"))

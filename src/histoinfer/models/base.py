@@ -491,8 +491,11 @@ class ServerModel:
             return "contiguous (channels_last_batches is False)"
         if self.device.type != "cpu":
             return "contiguous (channels-last on CPUs only)"
+        if self._forward_batch_overridden():
+            return "contiguous (forward_batch is overridden: it gets stacked batches)"
         size, dtype = self.assets.tile_size, self.checkpoint.input_dtype
         seeded = torch.Generator().manual_seed(2)
+        compared = 0
         for n in (2, 1):  # the probe's size (the program takes it: _check_outputs), a lone tile's
             batch = torch.randn((n, 3, size, size), generator=seeded).to(dtype)
             with torch.inference_mode():
@@ -507,7 +510,8 @@ class ServerModel:
                     return f"contiguous (the program {why})"
             if not all(torch.equal(a, b) for a, b in zip(want, got, strict=True)):
                 return f"contiguous (the program's outputs differ on a channels-last batch of {n})"
-        return CHANNELS_LAST
+            compared += 1
+        return CHANNELS_LAST if compared else "contiguous (the program took no probe batch)"
 
     def _check_outputs(self) -> None:
         """One forward pass at load time: a mismatched checkpoint fails now, naming the file."""
