@@ -8,9 +8,10 @@ A call is one hand-off: a callback scheduled on the loop starts the call's task,
 caller waits for its result. anyio's ``BlockingPortal.call`` first waits for the loop to start
 the call's task, then for its result: two wake-ups of the calling thread a call, and with
 hundreds of threads calling at once, beside forward passes on every core, the loop's answers to
-those first waits queued behind everything else. 512 threads calling ``predict`` at once: 1.25x
-the throughput, and steadier (482-537 against 345-494 tiles/s over 4 rounds;
-docs/benchmarks-history.md, "Session 17"). The bookkeeping BlockingPortal did is done here:
+those first waits queued behind everything else. Threads calling ``predict``, this portal
+against BlockingPortal in one process, alternating (medians of 4 rounds): 8 threads 1.10x, 64
+1.16x, 512 1.09x the throughput (docs/benchmarks-history.md, "Session 17"). The bookkeeping
+BlockingPortal did is done here:
 calls in flight when the portal stops are let finish (and the loop keeps running until their
 callers have their answers), and a call made once it is stopping is refused with RuntimeError,
 never left waiting.
