@@ -9,6 +9,7 @@ over the decode threads, plus, for threads, each caller's wake-up and hand-off t
 loop. Shorter, and the callers split into groups whose passes are smaller and more frequent; on
 a CPU, where the groups' decoding and passes share the same cores, that costs throughput. Each
 window is measured with a new client, interleaved within a round (docs/batching.md, "Tuning").
+Async callers run on asyncio.
 
 python benchmarks/max_wait.py [--waits 2,5,10,20] [--in-flight 4,8,16] [--calls async,threads]
                               [--rounds 3] [--bodies 384]
@@ -93,8 +94,11 @@ def main() -> None:
     args = parser.parse_args()
     waits = [w.strip() for w in args.waits.split(",")] + [EXPLICIT]
     for wait in waits[:-1]:
-        if float(wait) < 0:
-            parser.error(f"--waits: {wait} is negative")
+        try:
+            if float(wait) < 0:
+                parser.error(f"--waits: {wait} is negative")
+        except ValueError:
+            parser.error(f"--waits: {wait!r} is not a number of milliseconds")
     kinds = [c.strip() for c in args.calls.split(",")]
     if not set(kinds) <= {"async", "threads"}:
         parser.error(f"--calls: {args.calls!r}; use async, threads or both")

@@ -43,11 +43,14 @@ def test_every_window_and_caller_kind_is_measured(tiny_dir: Path, tmp_path: Path
 
 
 @pytest.mark.timeout(60)
-def test_bad_options_are_named() -> None:
+@pytest.mark.parametrize(
+    ("option", "value"), [("--calls", "processes"), ("--waits", "5,soon"), ("--waits", "-1")]
+)
+def test_bad_options_are_named(option: str, value: str) -> None:
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--calls", "processes"],
+        [sys.executable, str(SCRIPT), option, value],
         capture_output=True,
         text=True,
         timeout=50,
     )
-    assert done.returncode == 2 and "--calls" in done.stderr, done.stderr
+    assert done.returncode == 2 and option in done.stderr, done.stderr

@@ -3,9 +3,12 @@ in flight finish when it stops, later calls are refused, nobody is left waiting)
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import contextvars
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import anyio
@@ -27,6 +30,13 @@ async def fail() -> None:
     raise KeyError("inside")
 
 
+def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+
+
 @pytest.fixture
 def portal() -> PortalThread:
     portal = PortalThread(name="test-portal")
@@ -44,9 +54,11 @@ def test_calls_return_their_results_and_raise_their_errors(portal: PortalThread)
 
 
 @pytest.mark.timeout(30)
-def test_a_call_runs_in_the_portals_context_not_the_callers(portal: PortalThread) -> None:
+def test_a_call_sees_the_callers_context_variables_but_not_its_async_library(
+    portal: PortalThread,
+) -> None:
     # A thread running a trio loop has sniffio's "trio" in its context: anyio in the portal's
-    # asyncio task must not see it (nor any other variable of the caller's).
+    # asyncio task must not see it. The caller's own variables (a tracing id) it must see.
     async def what_runs_here() -> tuple[str, str]:
         return sniffio.current_async_library(), seen_here.get()
 
@@ -58,7 +70,66 @@ def test_a_call_runs_in_the_portals_context_not_the_callers(portal: PortalThread
         finally:
             sniffio.current_async_library_cvar.reset(token)
 
-    assert contextvars.copy_context().run(from_a_decorated_context) == ("asyncio", "unset")
+    assert contextvars.copy_context().run(from_a_decorated_context) == ("asyncio", "caller")
+
+
+@pytest.mark.timeout(30)
+def test_a_cancelled_call_fails_and_a_system_exit_reaches_its_caller_alone(
+    portal: PortalThread,
+) -> None:
+    async def cancelled() -> None:
+        raise asyncio.CancelledError
+
+    async def exits() -> None:
+        await anyio.sleep(0)
+        raise SystemExit(3)
+
+    with pytest.raises(RuntimeError, match="cancelled in the portal's event loop"):
+        portal.call(cancelled)
+    with pytest.raises(SystemExit):
+        portal.call(exits)
+    assert portal.call(echo, 5) == 5  # the loop still serves
+
+
+@pytest.mark.timeout(30)
+def test_a_call_from_the_portals_own_thread_is_refused(portal: PortalThread) -> None:
+    async def call_back() -> str:
+        try:
+            portal.call(echo, 1)
+        except RuntimeError as exc:
+            return str(exc)
+        return "waited"
+
+    assert portal.call(call_back) == "a call from the portal's own thread would wait for itself"
+
+
+@pytest.mark.timeout(30)
+def test_callers_are_answered_when_the_loop_dies_under_them() -> None:
+    portal = PortalThread(name="test-portal")
+    outcome: list[BaseException] = []
+
+    def slow() -> None:
+        try:
+            portal.call(echo, 1, 30.0)
+        except RuntimeError as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=slow)
+    thread.start()
+    wait_for(lambda: len(portal._tasks) == 1)
+    assert portal._loop is not None
+    portal._loop.call_soon_threadsafe(portal._loop.stop)  # the loop ends, the call unanswered
+    thread.join(10)
+    assert not thread.is_alive()
+    # Cancelled as the loop is torn down, or failed once it has ended: answered either way.
+    assert len(outcome) == 1 and "the portal's event loop" in str(outcome[0]), outcome
+    # While the loop is torn down a call may still get in and be answered, or fail: never wait.
+    with contextlib.suppress(RuntimeError):
+        assert portal.call(echo, 2) == 2
+    portal.thread.join(10)
+    with pytest.raises(RuntimeError, match="the portal is stopped"):
+        portal.call(echo, 3)  # once the loop's thread has ended, the door is closed
+    portal.stop()
 
 
 @pytest.mark.timeout(30)
@@ -75,7 +146,7 @@ def test_stopping_lets_calls_in_flight_finish_and_refuses_later_ones() -> None:
     for thread in threads:
         thread.start()
     started.wait()
-    time.sleep(0.05)  # the calls are in the loop
+    wait_for(lambda: len(portal._tasks) == 4)  # the calls are in the loop
     portal.stop()  # returns once the loop has ended: every caller has its answer
     assert not portal.thread.is_alive()
     for thread in threads:
@@ -109,7 +180,7 @@ def test_calls_racing_a_stop_are_answered_or_refused_never_left_waiting() -> Non
         threads = [threading.Thread(target=caller) for _ in range(4)]
         for thread in threads:
             thread.start()
-        time.sleep(0.005)
+        wait_for(lambda answered=answered: len(answered) > 0)
         portal.stop()
         for thread in threads:
             thread.join(10)

@@ -93,7 +93,8 @@ class FastDecoder:
 
     name: str
     takes: Callable[[PngHeader], bool]
-    #: raw PNG bytes -> ``[H, W, 3]`` uint8 array; raises on an image it cannot decode
+    #: raw PNG bytes -> ``[H, W, 3]`` uint8 array; raises on an image it cannot decode. A fresh
+    #: array the caller owns: tiles are views of it (imaging._to_tensor), never copies
     decode: Callable[[bytes], np.ndarray]
 
 
