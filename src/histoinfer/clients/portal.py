@@ -9,8 +9,9 @@ caller waits for its answer. anyio's ``BlockingPortal.call`` first waits for the
 the call's task, then for its result: two wake-ups of the calling thread a call, and with
 hundreds of threads calling at once, beside forward passes on every core, the loop's answers to
 those first waits queued behind everything else. Threads calling ``predict``, this portal
-against BlockingPortal in one process, alternating (medians of 4 rounds): 8 threads 1.10x, 64
-1.16x, 512 1.09x the throughput (docs/benchmarks-history.md, "Session 17").
+against BlockingPortal in one process, alternating (two runs, medians of 4 rounds each): 8
+threads 1.10x and 1.10x, 64 1.16x and 1.05x, 512 1.09x and 1.19x the throughput
+(docs/benchmarks-history.md, "Session 17").
 
 What BlockingPortal guaranteed, this one does too: the call runs in a copy of the calling
 thread's context (its context variables: logging or tracing ids), less sniffio's marker (a
