@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +32,14 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tiny_dir: Path) -> Path:
     return tiny_dir / "model.pt2"
+
+
+@pytest.fixture
+def copy_of_tiny(tiny_dir: Path, tmp_path: Path) -> Path:
+    """A private copy of the tiny checkpoint and assets, free to damage."""
+    out = tmp_path / "copy"
+    shutil.copytree(tiny_dir, out)
+    return out
 
 
 @pytest.fixture(scope="session")

@@ -8,11 +8,13 @@ import io
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import anyio
 import httpx
 import numpy as np
+import torch
 from PIL import Image
 
 
@@ -76,3 +78,14 @@ async def serving(app: Any, *, ready: bool = True) -> AsyncIterator[httpx.AsyncC
                     while (await http.get("/health/ready")).status_code != 200:
                         await anyio.sleep(0.02)
             yield http
+
+
+def save_program(module: torch.nn.Module, folder: Path) -> Path:
+    """``module`` exported over ``folder``'s ``model.pt2`` (a 224 px tile batch, dynamic)."""
+    path = folder / "model.pt2"
+    batch = torch.export.Dim("batch", min=1, max=64)
+    program = torch.export.export(
+        module, (torch.zeros(2, 3, 224, 224),), dynamic_shapes={"x": {0: batch}}
+    )
+    torch.export.save(program, str(path))
+    return path

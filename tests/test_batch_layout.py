@@ -3,13 +3,12 @@ program answers them exactly as it answers contiguous ones (``ServerModel.batch_
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
 import torch
-from helpers import make_body
+from helpers import make_body, save_program
 from torch import nn
 
 from histoinfer.models import ServerModel, build_server_model, shards
@@ -130,23 +129,10 @@ class _Flattens(nn.Module):
         return rows.expand(-1, genes).clone(), rows.expand(-1, dim).clone()
 
 
-@pytest.fixture
-def copy_of_tiny(tiny_dir: Path, tmp_path: Path) -> Path:
-    out = tmp_path / "copy"
-    shutil.copytree(tiny_dir, out)
-    return out
-
-
 def test_a_program_that_needs_a_contiguous_batch_gets_one(
     copy_of_tiny: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    path = copy_of_tiny / "model.pt2"
-    batch = torch.export.Dim("batch", min=1, max=64)
-    program = torch.export.export(
-        _Flattens(), (torch.zeros(2, 3, 224, 224),), dynamic_shapes={"x": {0: batch}}
-    )
-    torch.export.save(program, str(path))
-    model = build_server_model("h1", path)
+    model = build_server_model("h1", save_program(_Flattens(), copy_of_tiny))
     assert model.batch_layout.startswith(
         "contiguous (the program fails on a channels-last batch of 2: "
     ), model.batch_layout

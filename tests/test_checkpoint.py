@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import make_body, outputs_close
+from helpers import make_body, outputs_close, save_program
 from torch import nn
 
 from histoinfer import InProcessClient, ServerModel, available_models, build_server_model
@@ -28,14 +28,6 @@ from histoinfer.models.genes import REFERENCE_GENE_PANEL
 from histoinfer.models.h1 import H1ServerModel, export_reference_h1
 from histoinfer.models.vit import VIT_SIZES
 from histoinfer.schema import Mode
-
-
-@pytest.fixture
-def copy_of_tiny(tiny_dir: Path, tmp_path: Path) -> Path:
-    """A private copy of the tiny checkpoint and assets, free to damage."""
-    out = tmp_path / "copy"
-    shutil.copytree(tiny_dir, out)
-    return out
 
 
 def edit_assets(folder: Path, **changes: Any) -> None:
@@ -254,17 +246,6 @@ def test_assets_that_do_not_match_the_program(
 class _OneOutput(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.mean(dim=(2, 3))
-
-
-def save_program(module: nn.Module, folder: Path) -> Path:
-    """``module`` exported over ``folder``'s ``model.pt2`` (a 224 px tile batch, dynamic)."""
-    path = folder / "model.pt2"
-    batch = torch.export.Dim("batch", min=1, max=64)
-    program = torch.export.export(
-        module, (torch.zeros(2, 3, 224, 224),), dynamic_shapes={"x": {0: batch}}
-    )
-    torch.export.save(program, str(path))
-    return path
 
 
 def test_program_with_the_wrong_outputs(copy_of_tiny: Path) -> None:

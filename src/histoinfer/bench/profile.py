@@ -112,7 +112,9 @@ def step_functions(model: Any, bodies: list[str]) -> dict[str, Callable[[int], o
         torch.randint(0, 256, (256, 256, 3), dtype=torch.uint8, generator=generator).numpy()
     )
     tiles = [model.prepare_sample(r) for r in requests]
-    batch64 = [stack_tiles([tiles[(k + j) % n] for j in range(64)], True) for k in range(4)]
+    batch64 = [
+        stack_tiles([tiles[(k + j) % n] for j in range(64)], keep_layout=True) for k in range(4)
+    ]
     outputs = model.forward_batch(batch64[0], "predict")
     samples = outputs.split()
 
