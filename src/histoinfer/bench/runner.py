@@ -400,13 +400,9 @@ def run_throughput(
     """The sweep; torch's side of the run's ``environment`` is noted there, as children saw it.
     A model that fails is recorded under ``failed`` and left out (``_each_model``)."""
     environment = {} if environment is None else environment
-
-    def sweep_model(size: str) -> _Sweep:
-        part = _Sweep()
-        _sweep_model(cfg, size, log, environment, part)
-        return part
-
-    parts, failed = _each_model(cfg, "throughput", log, sweep_model)
+    parts, failed = _each_model(
+        cfg, "throughput", log, lambda size: _sweep_model(cfg, size, log, environment)
+    )
     sweep = _Sweep.merged(parts)
     return {
         "rows": sweep.rows,
@@ -439,11 +435,10 @@ class _Sweep:
         return whole
 
 
-def _sweep_model(
-    cfg: BenchConfig, size: str, log: Log, environment: dict[str, Any], sweep: _Sweep
-) -> None:
+def _sweep_model(cfg: BenchConfig, size: str, log: Log, environment: dict[str, Any]) -> _Sweep:
     """Every path at every level and mode of model ``size``, in interleaved rounds."""
     workdir = Path(cfg.workdir)
+    sweep = _Sweep()
     rows, skipped, notes, samples = sweep.rows, sweep.skipped, sweep.notes, sweep.samples
     small = size == "small"
     names = [p for p in (cfg.small_paths if small else cfg.paths) if p in cfg.paths]
@@ -518,6 +513,7 @@ def _sweep_model(
                         **summarize(samples[(size, name, mode, level)]),
                     }
                 )
+    return sweep
 
 
 def reference_indices(bodies: int) -> list[int]:
