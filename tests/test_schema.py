@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from histoinfer import ModelMetadata, ModelRequest, ModelResponse
 from histoinfer.errors import InvalidRequestError
 from histoinfer.schema import (
+    NAMED_PROBLEMS,
     InvocationEnvelope,
     InvocationRequest,
     parse_model,
@@ -133,6 +134,35 @@ def test_long_inputs_are_abbreviated_in_messages() -> None:
     with pytest.raises(InvalidRequestError) as info:
         parse_request(body(x="9" * 10_000))
     assert len(str(info.value)) < 400
+
+
+@pytest.mark.parametrize(
+    ("overrides", "count", "first"),
+    [
+        ({"bulk_rna": ["x"] * 200_000}, 200_000, "field 'bulk_rna.0': Input should be a valid"),
+        ({f"key{i}": 0 for i in range(100_000)}, 100_000, "unknown field 'key0'"),
+        ({"x": -1, "bulk_rna": [1.0, "a"] * 30}, 31, "field 'x': Input should be greater"),
+    ],
+    ids=["bad-elements", "unknown-keys", "mixed"],
+)
+def test_a_body_with_many_problems_names_a_few_and_counts_the_rest(
+    overrides: dict[str, Any], count: int, first: str
+) -> None:
+    # Regression: every problem was described, a message of tens of megabytes for a few MB of
+    # body, built for seconds while a server's memory grew by gigabytes.
+    with pytest.raises(InvalidRequestError) as info:
+        parse_request(body(**overrides))
+    message = str(info.value)
+    assert message.startswith(f"invalid request (patch_idx=3): {count} problems, including: ")
+    assert first in message
+    assert message.count("; ") == NAMED_PROBLEMS
+    assert message.endswith(f"; and {count - NAMED_PROBLEMS} more")
+
+
+def test_a_long_unknown_key_is_abbreviated() -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        parse_request(body(**{"k" * 100_000: 1}))
+    assert "unknown field 'kkk" in str(info.value) and len(str(info.value)) < 200
 
 
 @pytest.mark.parametrize("raw", ["[" * 100_000, '{"a":' * 50_000, "[" * 5_000 + "]" * 5_000])
