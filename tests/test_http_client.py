@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import re
 import ssl
 import subprocess
 import sys
@@ -806,3 +807,111 @@ def test_a_body_nested_too_deep_for_the_servers_list_goes_verbatim():
     assert http_module._json_object(make_body(1))
     assert not http_module._json_object(text)
     assert not http_module._json_object(make_body(1) + "," + make_body(2))  # two, not one
+
+
+def _answering(response: httpx.Response) -> httpx.MockTransport:
+    """A transport that answers every request (sync or async) with a copy of ``response``."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(
+            response.status_code, headers=response.headers, content=response.content
+        )
+
+    return httpx.MockTransport(handler)
+
+
+NOT_UTF8 = httpx.Response(
+    200, headers={"content-type": "application/json"}, content=b'{"a":"\xff"}'
+)
+
+
+def test_a_body_that_is_not_utf8_is_an_inference_error():
+    """A proxy's (or another server's) answer in Latin-1: not a bare UnicodeDecodeError."""
+    ndjson = httpx.Response(
+        200, headers={"content-type": http_module.NDJSON}, content=b'{"a":"\xff"}\n'
+    )
+    calls = [
+        (NOT_UTF8, "POST http://h/api/predict/h1 ", lambda c: c.predict(make_body(0))),
+        (NOT_UTF8, "POST http://h/api/embed/h1 ", lambda c: c.embed(make_body(0))),
+        (NOT_UTF8, "GET http://h/api/metadata/h1 ", lambda c: c.metadata()),
+        (ndjson, "POST http://h/api/predict/h1/batch ", lambda c: c.predict_batch([make_body(0)])),
+    ]
+    for answer, route, call in calls:
+        with (
+            HttpClient("http://h", transport=_answering(answer), retries=0, timeout=10) as client,
+            pytest.raises(InferenceError) as info,
+        ):
+            call(client)
+        assert type(info.value) is InferenceError
+        kind = answer.headers["content-type"]
+        assert str(info.value).startswith(
+            f"the server answered {route}with HTTP 200 ({kind}), "
+            "not a UTF-8 body (invalid start byte at offset 6): "
+        )
+        assert isinstance(info.value.__cause__, UnicodeDecodeError)
+
+
+@pytest.mark.anyio
+async def test_a_body_that_is_not_utf8_is_an_inference_error_async():
+    async with HttpClient("http://h", transport=_answering(NOT_UTF8), retries=0) as client:
+        with anyio.fail_after(30), pytest.raises(InferenceError) as info:
+            await client.predict_async(make_body(0))
+    assert type(info.value) is InferenceError
+    assert str(info.value) == (
+        "the server answered POST http://h/api/predict/h1 with HTTP 200 (application/json), "
+        'not a UTF-8 body (invalid start byte at offset 6): {"a":"\ufffd"}'
+    )
+
+
+def test_json_nested_too_deep_to_parse_is_an_inference_error():
+    """``json.loads`` raises RecursionError, not ValueError, on a body nested too deep."""
+    deep = b"[" * 100_000 + b"]" * 100_000
+    problem = httpx.Response(
+        422, headers={"content-type": "application/problem+json"}, content=deep
+    )
+    listing = httpx.Response(200, headers={"content-type": "application/json"}, content=deep)
+    calls: list[tuple[httpx.Response, type[InferenceError], str, Any]] = [
+        (
+            problem,
+            InvalidRequestError,
+            "HTTP 422 from POST http://h/api/predict/h1: [[[",
+            lambda c: c.predict(make_body(0)),
+        ),
+        (
+            listing,
+            InferenceError,
+            "GET http://h/api/stats/h1 with HTTP 200 (application/json), "
+            "not a JSON object of statistics per mode: [[[",
+            lambda c: c.stats(),
+        ),
+        (
+            listing,
+            InferenceError,
+            "POST http://h/api/predict/h1/batch with HTTP 200 (application/json), "
+            "not NDJSON or a JSON list of responses: [[[",
+            lambda c: c.predict_batch([make_body(0)]),
+        ),
+    ]
+    for answer, error, message, call in calls:
+        with (
+            HttpClient("http://h", transport=_answering(answer), retries=0, timeout=10) as client,
+            pytest.raises(InferenceError, match=re.escape(message)) as info,
+        ):
+            call(client)
+        assert type(info.value) is error
+
+
+def test_a_retry_after_of_non_ascii_digits_is_ignored():
+    """``"²".isdigit()`` is true but ``float("²")`` fails: such a header means no Retry-After."""
+    assert http_module._retry_after("\u00b2") is None
+    assert http_module._retry_after("\u0663") is None  # an Arabic-Indic 3: not RFC 9110 digits
+    assert http_module._retry_after(" 3 ") == 3.0
+    # On the wire, as bytes (httpx decodes the header as UTF-8): the retry backs off instead.
+    answer = httpx.Response(503, headers=[(b"retry-after", b"\xc2\xb2")], content=b"busy")
+    with (
+        HttpClient(
+            "http://h", transport=_answering(answer), retries=2, backoff=0.01, timeout=10
+        ) as client,
+        pytest.raises(OverloadedError, match="HTTP 503 from POST http://h/api/predict/h1: busy"),
+    ):
+        client.predict(make_body(0))

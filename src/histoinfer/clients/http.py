@@ -71,6 +71,9 @@ STR_KEY = "$str"
 NDJSON = "application/x-ndjson"
 
 _PROBLEM_JSON = "application/problem+json"
+#: What ``json.loads`` raises on a body that is not JSON: ``ValueError`` (``UnicodeDecodeError``
+#: included), or ``RecursionError`` for arrays or objects nested deeper than it can parse.
+_NOT_JSON = (ValueError, RecursionError)
 _ACCEPT = "application/json, application/problem+json"
 _RETRY_STATUSES = frozenset({502, 503, 504})
 # Failures where the request can safely be sent again: inference is a pure function.
@@ -106,12 +109,13 @@ class HttpClient(ClosingContext):
         max_in_flight: the most requests sent at once per event loop (async calls) and across
             all threads (sync calls); more callers wait their turn, cancellably, for up to
             ``timeout`` seconds. ``None``: no bound but ``max_connections``. It exists because
-            httpcore scans its whole pool each time a request starts or ends: 512 concurrent
-            calls over 256 connections spent most of the client's CPU there (loopback, 2 cores:
-            57 tiles/s; with the default 64, and each loop's connections split over pools of
-            16, 279 tiles/s). 64 lets one loop fill a default server batch. A retry gives its
-            slot back while it sleeps (backoff or ``Retry-After``) and waits for one again.
-            Calls through a ``session`` count too. See ``docs/server.md``.
+            httpcore scans its whole pool each time a request starts or ends, so hundreds of
+            busy connections cost the client more CPU than the requests themselves; for the
+            same reason each loop's connections, and the sync calls', are split over httpx
+            clients of at most 4 connections each. 64 lets one loop fill a default server
+            batch. A retry gives its slot back while it sleeps (backoff or ``Retry-After``)
+            and waits for one again. Calls through a ``session`` count too. The measurements
+            behind these choices: ``docs/server.md`` ("Why ``max_in_flight``").
         httpx_options: passed to both ``httpx.Client`` and ``httpx.AsyncClient`` (headers,
             auth, verify, proxy, ...).
     """
@@ -203,7 +207,7 @@ class HttpClient(ClosingContext):
             return {
                 mode: _snapshot(fields) for mode, fields in json.loads(response.content).items()
             }
-        except (ValueError, TypeError, AttributeError, KeyError) as exc:
+        except (*_NOT_JSON, TypeError, AttributeError, KeyError) as exc:
             raise _unexpected(response, "a JSON object of statistics per mode") from exc
 
     # -- Client protocol: async --------------------------------------------------------------
@@ -513,7 +517,7 @@ def _retry_after(value: str | None) -> float | None:
     """``Retry-After`` in seconds: delay-seconds, or an HTTP date."""
     if not value:
         return None
-    if value.strip().isdigit():
+    if value.isascii() and value.strip().isdigit():  # not "²": str.isdigit takes it
         return float(value)
     try:
         when = email.utils.parsedate_to_datetime(value)
@@ -530,7 +534,7 @@ def _error_from(response: httpx.Response) -> InferenceError:
     if response.headers.get("content-type", "").startswith(_PROBLEM_JSON):
         try:
             problem = json.loads(response.content)
-        except ValueError:
+        except _NOT_JSON:
             problem = None
         if isinstance(problem, dict) and isinstance(problem.get("detail"), str):
             return error_for_problem_type(problem.get("type"), status)(problem["detail"])
@@ -542,9 +546,10 @@ def _error_from(response: httpx.Response) -> InferenceError:
 def _unexpected(response: httpx.Response, expected: str) -> InferenceError:
     """A server that does not answer as histoinfer's does (a proxy's page, another API)."""
     kind = response.headers.get("content-type", "no content type")
+    request = response.request
     return InferenceError(
-        f"the server answered HTTP {response.status_code} ({kind}), not {expected}: "
-        f"{_head(response)}"
+        f"the server answered {request.method} {request.url} with HTTP "
+        f"{response.status_code} ({kind}), not {expected}: {_head(response)}"
     )
 
 
@@ -562,7 +567,12 @@ def _snapshot(fields: dict[str, Any]) -> StatsSnapshot:
 
 
 def _text(response: httpx.Response) -> str:
-    return response.content.decode("utf-8")
+    """The body as the server wrote it: histoinfer's answers are UTF-8 (a proxy's may not be)."""
+    try:
+        return response.content.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        where = f"{exc.reason} at offset {exc.start}"
+        raise _unexpected(response, f"a UTF-8 body ({where})") from exc
 
 
 def _encode_body(body: str | bytes) -> bytes:
@@ -650,12 +660,12 @@ def _wrap_invalid_str(item: object) -> object:
 def _split_batch(response: httpx.Response, expected: int) -> list[str]:
     """One response string per request, exactly as the server wrote them."""
     if response.headers.get("content-type", "").startswith(NDJSON):
-        lines = response.content.decode("utf-8").split("\n")
+        lines = _text(response).split("\n")
         responses = lines[:-1] if lines and lines[-1] == "" else lines
     else:  # a server that ignores Accept: re-serialize its JSON list, compactly
         try:
             items = json.loads(response.content)
-        except ValueError:
+        except _NOT_JSON:
             items = None
         if not isinstance(items, list):
             raise _unexpected(response, "NDJSON or a JSON list of responses")
