@@ -191,6 +191,85 @@ async def test_full_queue_answers_503_at_once(tiny_model):
         assert (await http.post("/api/predict/h1", content=make_body(3))).status_code == 200
 
 
+async def post_then_hang_up(app: Any, path: str, body: bytes, hang_up: anyio.Event) -> list[Any]:
+    """POST a whole ``body`` to ``path`` as a client that disconnects when ``hang_up`` is set
+    (the next ASGI message, as a server sends it once the connection closes); what was sent."""
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        if messages:
+            return messages.pop(0)
+        await hang_up.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-length", str(len(body)).encode()), (b"host", b"test")],
+        "client": ("127.0.0.1", 1),
+        "server": ("test", 80),
+    }
+    await app(scope, receive, send)
+    return sent
+
+
+@pytest.mark.parametrize("path", ["/api/predict/h1", "/invocations"])
+async def test_a_request_whose_client_hangs_up_while_queued_is_never_computed(tiny_model, path):
+    """Regression: servers do not cancel a handler whose client left, so every abandoned
+    request was still decoded and computed, and live callers waited behind them."""
+    model = gated(tiny_model)
+    client = fresh_client(model, prepare_threads=1)
+    app = create_app(client)
+    body = make_body(1).encode()
+    if path == "/invocations":
+        body = json.dumps({**request_dict(1), "model_name": "h1", "mode": "prediction"}).encode()
+    async with serving(app) as http:
+        before = client.stats()["predict"]
+        statuses: list[int] = []
+        hang_up = anyio.Event()
+
+        async def held() -> None:  # holds the device's thread (a lone tile decodes there)
+            r = await http.post("/api/predict/h1", content=make_body(0, slide_name="gate"))
+            statuses.append(r.status_code)
+
+        async def leaver() -> None:
+            sent = await post_then_hang_up(app, path, body, hang_up)
+            statuses.append(sent[0]["status"])
+
+        try:
+            with anyio.fail_after(30):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(held)
+                    while model.entered < 1:
+                        await anyio.sleep(0.01)
+                    tg.start_soon(leaver)
+                    while client.stats()["predict"].queue_depth < 1:  # decoded, and queued
+                        await anyio.sleep(0.01)
+                    hang_up.set()
+                    while len(statuses) < 1:
+                        await anyio.sleep(0.01)
+                    model.gate.set()
+        finally:
+            model.gate.set()
+        after = client.stats()["predict"]
+        assert sorted(statuses) == [200, 499]
+        assert after.samples - before.samples == 1  # the held request only
+        assert after.cancelled - before.cancelled == 1
+        # the next request is served as ever
+        assert (await http.post(path, content=body)).status_code == 200
+
+
 async def test_ready_only_once_loaded_and_warm(tiny_model):
     loading = threading.Event()
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 import base64
 import io
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any, Literal, get_args
 
 import anyio
@@ -255,6 +256,43 @@ async def _discard(request: Request, already: int) -> None:
                 return
 
 
+#: What the log and /metrics show for a request whose client hung up before its answer (nginx's
+#: "client closed request"): nobody receives it.
+CLIENT_CLOSED = 499
+
+
+async def _unless_disconnected(request: Request, work: Callable[[], Awaitable[str]]) -> Response:
+    """``work()``'s answer; or, if the client hangs up first, ``work()`` cancelled: a request that
+    is still queued then leaves its queue before dispatch (SPEC §5), one in a forward pass
+    leaves its batch undisturbed. Uvicorn and Hypercorn do not cancel a handler whose client
+    left, so without this every abandoned request was decoded and computed, and live callers
+    waited behind them (1,000 dropped connections made the next request take 4.9 s, not 0.3).
+
+    Called once the body is read: the next ASGI message is ``http.disconnect``, when the
+    connection closes (or the response is complete, by which time this has returned)."""
+    answer: str | None = None
+    failure: Exception | None = None
+    async with anyio.create_task_group() as tg:
+
+        async def hang_up_watch() -> None:
+            try:
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass  # a pipelined request's empty message: keep listening
+            except Exception:  # the server cannot say: serve the request as before
+                return
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(hang_up_watch)
+        try:
+            answer = await work()
+        except Exception as exc:  # raised below, as itself: a task group would wrap it
+            failure = exc
+        tg.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
+    return _json(answer) if answer is not None else Response(status_code=CLIENT_CLOSED)
+
+
 def _mode(mode: str) -> Mode:
     if mode not in MODES:
         raise UnsupportedModeError(f"unknown mode {mode!r} (modes: {', '.join(MODES)})")
@@ -425,7 +463,7 @@ def create_app(
         if mode == "metadata":  # the metadata route, with the wrong method: not a mode
             raise StarletteHTTPException(405, headers={"Allow": "GET"})
         checked, client = _mode(mode), state.client(model)
-        return _json(await client.infer_async(body, checked))
+        return await _unless_disconnected(request, partial(client.infer_async, body, checked))
 
     # The single-tile route, every request's, is served by a plain Starlette route: FastAPI's
     # own handling of a route (its dependency solving and request/response wrappers) cost
@@ -501,7 +539,8 @@ def create_app(
             return _json(client.metadata())
         invocation: InvocationRequest = parse_model(InvocationRequest, raw, "invocation")
         body = invocation.to_model_request().model_dump_json()
-        return _json(await client.infer_async(body, INVOCATION_MODES[envelope.mode]))
+        work = partial(client.infer_async, body, INVOCATION_MODES[envelope.mode])
+        return await _unless_disconnected(request, work)
 
     def readiness() -> JSONResponse:
         status = "draining" if state.draining else "ready" if state.ready else "not ready"
