@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import subprocess
@@ -105,6 +106,46 @@ def test_debug_shows_the_real_exception(tmp_path: Path) -> None:
         main(["--debug", "metadata", "--checkpoint", str(tmp_path / "missing.pt2")])
 
 
+def test_debug_after_the_subcommand_shows_the_real_exception(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError):
+        main(["metadata", "--checkpoint", str(tmp_path / "missing.pt2"), "--debug"])
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["demo"],
+        ["export", "h1", "--out", "x"],
+        ["metadata", "--checkpoint", "x.pt2"],
+        ["serve", "--model", "h1", "--checkpoint", "x.pt2"],  # options added by its module
+        ["bench", "--quick"],
+    ],
+)
+def test_every_subcommand_takes_debug_before_or_after_it(argv: list[str]) -> None:
+    from histoinfer.cli import _configure_plugin, build_parser
+
+    def parse(words: list[str]) -> argparse.Namespace:
+        parser = build_parser()
+        assert _configure_plugin(parser, words) is None
+        return parser.parse_args(words)
+
+    assert parse(argv).debug is False
+    assert parse(["--debug", *argv]).debug is True  # not reset by the subcommand's defaults
+    assert parse([*argv, "--debug"]).debug is True
+    assert parse(["--debug", *argv, "--debug"]).debug is True
+
+
+def test_debug_is_not_recorded_as_a_bench_option() -> None:
+    """``histoinfer bench`` writes the command that reproduces its run: --debug is no part."""
+    from histoinfer.bench.cli import _canonical_command
+    from histoinfer.cli import _configure_plugin, build_parser
+
+    for argv in (["bench", "--quick", "--debug"], ["--debug", "bench", "--quick"]):
+        parser = build_parser()
+        _configure_plugin(parser, argv)
+        assert _canonical_command(parser.parse_args(argv)) == "histoinfer bench --quick"
+
+
 def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main(["export", "h1", "--size", "gigantic", "--out", "x"])
@@ -178,7 +219,10 @@ def test_a_missing_extra_is_named_even_with_options(
     for argv in ([command, "--model", "h1", "--port", "8085"], [command, "--help"], [command]):
         extra = "server" if command == "serve" else "bench"
         code, _, err = run(argv, capsys)
-        assert_one_line_error(code, err, f"pip install 'histoinfer[{extra}]'")
+        # From a clone: the package is not installed from an index.
+        assert_one_line_error(
+            code, err, f"the '{extra}' extra", f"pip install -e '.[{extra}]' from a clone"
+        )
     # The word as an option's value is not the subcommand: the command runs (and here fails
     # for its own reason).
     code, _, err = run(["metadata", "--checkpoint", command], capsys)
@@ -192,7 +236,7 @@ def test_a_package_missing_at_run_time_is_one_line(
     args = ["serve", "--model", "h1", "--checkpoint", str(tiny_checkpoint), "--port", "0"]
     code = main([*args, "--server", "hypercorn", "--no-warmup"])
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert code == 1 and "pip install 'histoinfer[server]'" in err and "hypercorn" in err
+    assert code == 1 and "pip install -e '.[server]'" in err and "hypercorn" in err
 
 
 def test_serve_names_each_client_after_its_route(tiny_checkpoint: Path) -> None:

@@ -39,7 +39,12 @@ def _add_export(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "architecture and file format, not a trained model.",
     )
     p.add_argument("model", choices=["h1"], help="registry key")
-    p.add_argument("--size", choices=["tiny", "small", "large"], default="tiny")
+    p.add_argument(
+        "--size",
+        choices=["tiny", "small", "large"],
+        default="tiny",
+        help="reference model size (default: %(default)s)",
+    )
     p.add_argument("--aoti", action="store_true", help="also compile an AOTInductor package")
     p.add_argument(
         "--dtype",
@@ -71,7 +76,9 @@ def _add_metadata(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--model", default="h1", help="registry key (default: h1)")
     p.add_argument("--checkpoint", type=Path, required=True, help="path to the .pt2 file")
     p.add_argument("--assets", type=Path, default=None, help="assets dir (default: beside it)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--device", default="cpu", help="torch device to load it on (default: %(default)s)"
+    )
     p.set_defaults(func=_cmd_metadata)
 
 
@@ -102,10 +109,19 @@ def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="reference model (default: %(default)s)",
     )
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
-    p.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
+    p.add_argument(
+        "--backend",
+        choices=["asyncio", "trio"],
+        default="asyncio",
+        help="event loop the tiles are sent on (default: %(default)s)",
+    )
     p.add_argument("--tile", type=int, default=112, help="tile side in image pixels (default: 112)")
     p.add_argument("--stride", type=int, default=56, help="step between tiles (default: 56)")
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="hide the progress bar (shown only when stderr is a terminal and tqdm is installed)",
+    )
     p.set_defaults(func=_cmd_demo)
 
 
@@ -139,13 +155,40 @@ def _add_plugged(
     p.set_defaults(func=run, _plugin=module)
 
 
+_DEBUG_HELP = "show tracebacks and debug logs"
+
+
+class _DebugAfterCommand(argparse.Action):
+    """``--debug`` given after the subcommand: sets the global ``debug``, and nothing else.
+
+    It has no default: a subcommand's defaults overwrite the global options' values, so a
+    default of False here would undo ``histoinfer --debug export ...``. It has no ``dest``
+    either, so code that lists a subcommand's options (``histoinfer bench`` records the
+    command that reproduces its run) does not take it for one of them.
+    """
+
+    def __init__(self, option_strings: Sequence[str], dest: str, help: str | None = None) -> None:
+        super().__init__(
+            option_strings, argparse.SUPPRESS, nargs=0, default=argparse.SUPPRESS, help=help
+        )
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[object] | None,
+        option_string: str | None = None,
+    ) -> None:
+        namespace.debug = True
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="histoinfer",
         description="Computational-pathology tile models (gene expression, embeddings) "
         "in-process or as a microservice, with dynamic batching on asyncio and trio.",
     )
-    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    parser.add_argument("--debug", action="store_true", help=_DEBUG_HELP)
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_demo(sub)
@@ -153,6 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_metadata(sub)
     for name, (module, help_text) in _PLUGGED.items():
         _add_plugged(sub, name, module, help_text)
+    # `histoinfer export ... --debug` as well as `histoinfer --debug export ...`: the plugged
+    # commands get it here too, before their modules add their own options.
+    for command_parser in sub.choices.values():
+        command_parser.add_argument("--debug", action=_DebugAfterCommand, help=_DEBUG_HELP)
     return parser
 
 
@@ -183,7 +230,10 @@ def _configure_plugin(parser: argparse.ArgumentParser, argv: Sequence[str]) -> s
 
 def _missing(command: str, exc: ImportError) -> str:
     extra = _EXTRAS.get(command, "dev")
-    return f"'histoinfer {command}' needs extra packages: pip install 'histoinfer[{extra}]' ({exc})"
+    return (
+        f"'histoinfer {command}' needs the '{extra}' extra: pip install -e '.[{extra}]' "
+        f"from a clone of histoinfer ({exc})"
+    )
 
 
 def _version() -> str:

@@ -56,7 +56,8 @@ def demo_image() -> tuple[np.ndarray, str]:
     except Exception as exc:  # ImportError, or a data file missing from the install
         print(
             f"note: scikit-image's immunohistochemistry image is unavailable ({exc}); "
-            "using a generated image instead (pip install 'histoinfer[demo]' for the real one)",
+            "using a generated image instead (the 'demo' extra has the real one: "
+            "pip install -e '.[demo]')",
             file=sys.stderr,
         )
     rng = np.random.default_rng(0)

@@ -15,34 +15,104 @@ __all__ = ["Client"]
 
 @runtime_checkable
 class Client(Protocol):
-    def predict(self, body: str) -> str: ...
-    def embed(self, body: str) -> str: ...
-    def predict_with_embedding(self, body: str) -> str: ...
-    def metadata(self) -> str: ...
+    """The one client API: what :class:`~histoinfer.InProcessClient` (in this process) and
+    :class:`~histoinfer.HttpClient` (against ``histoinfer serve``) both implement, in full.
 
-    async def predict_async(self, body: str, session: object | None = None) -> str: ...
-    async def embed_async(self, body: str, session: object | None = None) -> str: ...
-    async def predict_with_embedding_async(
-        self, body: str, session: object | None = None
-    ) -> str: ...
+    Each mode (``predict``, ``embed``, ``predict_with_embedding``) comes in three forms: a sync
+    call (``predict``), an async call on asyncio or trio (``predict_async``: by default,
+    concurrent calls are batched together by the dynamic batcher, in this process or at the
+    server), and an explicit batch (``predict_batch``: the responses in the order of the
+    bodies; one invalid body fails the whole call, naming every bad position). A body is one
+    tile's request and a response one tile's answer, both as JSON strings
+    (docs/wire-format.md).
 
-    def predict_batch(self, bodies: list[str]) -> list[str]: ...
-    def embed_batch(self, bodies: list[str]) -> list[str]: ...
-    def predict_with_embedding_batch(self, bodies: list[str]) -> list[str]: ...
+    Every failure raises :class:`~histoinfer.errors.InferenceError` or a subclass:
+    ``InvalidRequestError`` (bad JSON, a schema violation, an undecodable image, a body that is
+    not a string; its subclass ``UnsupportedModeError`` for a mode the model does not offer),
+    ``ModelExecutionError`` (the forward pass failed), ``OverloadedError`` (a full queue, a
+    server still loading; its subclass ``DeadlineExceededError`` for a request not run before
+    its deadline) and ``ClientClosedError`` (a call after ``close()``). Both clients raise the
+    same class with the same message for the same input; ``HttpClient`` raises a plain
+    ``InferenceError`` when the server cannot be reached after its retries.
 
-    def close(self) -> None: ...
-    async def aclose(self) -> None: ...
-    def __enter__(self) -> Self: ...
+    Use it as a type, to accept either client. ``isinstance(obj, Client)`` checks that the
+    methods exist, not their signatures.
+    """
+
+    def predict(self, body: str) -> str:
+        """One tile's response JSON; its ``output`` is the model's prediction (gene values)."""
+        ...
+
+    def embed(self, body: str) -> str:
+        """One tile's response JSON; its ``output`` is the tile's embedding."""
+        ...
+
+    def predict_with_embedding(self, body: str) -> str:
+        """One tile's response JSON with ``output`` (the prediction) and ``embedding``, from one
+        forward pass."""
+        ...
+
+    def metadata(self) -> str:
+        """The model's metadata JSON (``ModelMetadata``), with the batching settings in force."""
+        ...
+
+    async def predict_async(self, body: str, session: object | None = None) -> str:
+        """As :meth:`predict`, awaited. ``session``: an ``httpx.AsyncClient`` for
+        ``HttpClient`` to send through; ``InProcessClient`` accepts it and ignores it."""
+        ...
+
+    async def embed_async(self, body: str, session: object | None = None) -> str:
+        """As :meth:`embed`, awaited; ``session`` as in :meth:`predict_async`."""
+        ...
+
+    async def predict_with_embedding_async(self, body: str, session: object | None = None) -> str:
+        """As :meth:`predict_with_embedding`, awaited; ``session`` as in :meth:`predict_async`."""
+        ...
+
+    def predict_batch(self, bodies: list[str]) -> list[str]:
+        """:meth:`predict` for each body, as one explicit batch; responses in the same order."""
+        ...
+
+    def embed_batch(self, bodies: list[str]) -> list[str]:
+        """:meth:`embed` for each body, as one explicit batch; responses in the same order."""
+        ...
+
+    def predict_with_embedding_batch(self, bodies: list[str]) -> list[str]:
+        """:meth:`predict_with_embedding` for each body, as one explicit batch; responses in
+        the same order."""
+        ...
+
+    def close(self) -> None:
+        """Finish what is already queued, then release the client's threads and connections;
+        later calls raise ``ClientClosedError``."""
+        ...
+
+    async def aclose(self) -> None:
+        """As :meth:`close`, awaited."""
+        ...
+
+    def __enter__(self) -> Self:
+        """The client itself; :meth:`close` on leaving the block."""
+        ...
+
     def __exit__(
         self,
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
-    ) -> None: ...
-    async def __aenter__(self) -> Self: ...
+    ) -> None:
+        """Close the client."""
+        ...
+
+    async def __aenter__(self) -> Self:
+        """The client itself; :meth:`aclose` on leaving the block."""
+        ...
+
     async def __aexit__(
         self,
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
-    ) -> None: ...
+    ) -> None:
+        """Close the client."""
+        ...

@@ -82,12 +82,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "rounds. See docs/benchmarks.md."
     )
     parser.add_argument("--quick", action="store_true", help="fewer levels, tiles, rounds (<2 min)")
-    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory")
     parser.add_argument(
-        "--small", action="store_true", help="also run the small (ViT-S) model: slower"
+        "--out",
+        type=Path,
+        default=Path("bench-results"),
+        help="output directory (default: %(default)s)",
     )
     parser.add_argument(
-        "--models", type=_names, default=None, help="reference sizes, e.g. tiny,small"
+        "--small",
+        action="store_true",
+        help="also run the small (ViT-S) model: slower; ignored when --models is given",
+    )
+    parser.add_argument(
+        "--models",
+        type=_names,
+        default=None,
+        help="reference model sizes to run, e.g. tiny,small (default: tiny)",
     )
     parser.add_argument(
         "--paths",
@@ -113,8 +123,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--tiles", type=_count, default=None, help="tiles per measurement")
     parser.add_argument("--rounds", type=_count, default=None, help="interleaved rounds")
-    parser.add_argument("--max-batch-size", type=_count, default=None)
-    parser.add_argument("--max-wait-ms", type=_milliseconds, default=None)
+    parser.add_argument(
+        "--max-batch-size",
+        type=_count,
+        default=None,
+        help="the largest batch on every path: the batchers' limit, and the chunk the explicit "
+        "and raw paths send (default: 64)",
+    )
+    parser.add_argument(
+        "--max-wait-ms",
+        type=_milliseconds,
+        default=None,
+        help="the longest, in ms, a batcher holds a tile waiting for others (default: 5)",
+    )
     parser.add_argument(
         "--seed", type=_seed, default=None, help="seed of the request bodies and the rounds' order"
     )
@@ -136,7 +157,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="measure every path in this process instead of one process each: starts faster, "
         "but paths slow each other down (OpenMP; see docs/benchmarks-history.md)",
     )
-    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    parser.add_argument("--quiet", action="store_true", help="print no progress lines")
     parser.set_defaults(_bench_parser=parser)
 
 

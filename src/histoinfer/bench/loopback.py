@@ -38,7 +38,7 @@ def http_unavailable() -> str | None:
     try:
         importlib.import_module("httpx")
     except ImportError:
-        return "httpx is not installed (pip install 'histoinfer[bench]')"
+        return "httpx is not installed (the 'bench' extra: pip install -e '.[bench]')"
     return None
 
 

@@ -308,7 +308,7 @@ class AsyncBatcherPath(_PeerPath):
         try:
             import async_batcher  # noqa: F401
         except ImportError:
-            return "async-batcher is not installed (pip install 'histoinfer[bench]')"
+            return "async-batcher is not installed (the 'bench' extra: pip install -e '.[bench]')"
         return None
 
     def make_peer(self, pipeline: Pipeline) -> AsyncBatcherPeer:

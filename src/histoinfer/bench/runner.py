@@ -587,7 +587,8 @@ def run_overhead(cfg: BenchConfig, log: Log) -> dict[str, Any]:
         import async_batcher  # noqa: F401
     except ImportError:
         variants = [v for v in variants if not v.startswith("async-batcher")]
-        why = "async-batcher is not installed (pip install 'histoinfer[bench]'): no targets"
+        why = "async-batcher is not installed (the 'bench' extra: pip install -e '.[bench]')"
+        why += ": no targets"
         skipped.append({"variant": "async-batcher", "reason": why})
         log(f"[overhead] skipping async-batcher: {why}")
     samples: dict[tuple[str, int], list[Sample]] = {}

@@ -45,7 +45,10 @@ import sniffio
 try:
     import httpx
 except ImportError as exc:  # the one optional package HttpClient needs: say which extra has it
-    raise ImportError(f"HttpClient needs httpx: pip install 'histoinfer[http]' ({exc})") from exc
+    raise ImportError(
+        f"HttpClient needs httpx: the 'http' extra (pip install -e '.[http]' in a clone of "
+        f"histoinfer) ({exc})"
+    ) from exc
 
 from ..errors import ClientClosedError, InferenceError, InvalidRequestError, error_for_problem_type
 from ..schema import Mode, locate, parse_request

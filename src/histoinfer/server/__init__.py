@@ -1,5 +1,6 @@
-"""The histoinfer microservice: FastAPI over the in-process client (``pip install
-'histoinfer[server]'``). Run it with ``histoinfer serve``, or embed :func:`create_app`."""
+"""The histoinfer microservice: FastAPI over the in-process client (the ``server`` extra:
+``pip install -e '.[server]'`` in a clone). Run it with ``histoinfer serve``, or embed
+:func:`create_app`."""
 
 from .app import ServerState, create_app
 

@@ -52,19 +52,55 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add("--device", default="cpu", help="torch device (default: cpu); one process per GPU")
     add("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     add("--port", type=_port, default=8080, help="port to bind (default: 8080)")
-    add("--server", choices=["uvicorn", "hypercorn"], default="uvicorn", help="default: uvicorn")
-    add("--backend", choices=["asyncio", "trio"], default="asyncio", help="trio: hypercorn only")
-    add("--max-batch-size", type=_count, default=64, help="most tiles a pass (default: 64)")
-    add("--max-wait-ms", type=_at_least_zero, default=5.0, help="most a tile waits (default: 5)")
-    add("--max-queue", type=_count, default=1024, help="per mode; more get 503 (default: 1024)")
-    add("--max-body-mb", type=_above_zero, default=64.0, help="larger bodies get 413 (default: 64)")
+    add(
+        "--server",
+        choices=["uvicorn", "hypercorn"],
+        default="uvicorn",
+        help="the ASGI server to run under (default: %(default)s)",
+    )
+    add(
+        "--backend",
+        choices=["asyncio", "trio"],
+        default="asyncio",
+        help="the event loop (default: %(default)s); trio needs --server hypercorn",
+    )
+    add(
+        "--max-batch-size",
+        type=_count,
+        default=64,
+        help="the most tiles in one forward pass (default: %(default)s)",
+    )
+    add(
+        "--max-wait-ms",
+        type=_at_least_zero,
+        default=5.0,
+        help="the longest, in ms, a queued tile waits for others to batch with (default: 5)",
+    )
+    add(
+        "--max-queue",
+        type=_count,
+        default=1024,
+        help="requests admitted per mode (decoding, queued or running); more get 503 "
+        "(default: %(default)s)",
+    )
+    add(
+        "--max-body-mb",
+        type=_above_zero,
+        default=64.0,
+        help="the largest request body, in MiB; larger bodies get 413 (default: 64)",
+    )
     add(
         "--request-timeout",
         type=_above_zero,
         default=None,
         help="seconds a request may wait for its forward pass before 503 (default: no limit)",
     )
-    add("--retry-after", type=_zero_or_more, default=1, help="Retry-After on 503, s (default: 1)")
+    add(
+        "--retry-after",
+        type=_zero_or_more,
+        default=1,
+        help="seconds sent in the Retry-After header of every 503 (default: %(default)s)",
+    )
     add(
         "--graceful-timeout",
         type=_at_least_zero,
@@ -73,7 +109,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     add("--no-warmup", action="store_true", help="report ready without a warm-up pass")
     add("--access-log", action="store_true", help="log every request (costs throughput)")
-    add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="the server's log level (default: %(default)s)",
+    )
 
 
 # Option types: a bad value is refused by argparse with a usage line, never accepted and then
