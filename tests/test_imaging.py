@@ -22,6 +22,7 @@ from PIL import Image
 
 from histoinfer.errors import InvalidRequestError
 from histoinfer.models import imaging, png
+from histoinfer.models.faults import base64_fault
 from histoinfer.models.imaging import decode_tile
 
 WHERE = "for patch_idx=4 (slide 's', x=0, y=0)"
@@ -533,3 +534,228 @@ def test_base64_is_valid_or_not_whichever_decoder_is_installed(data: str) -> Non
     assert outcome(_b64decode_stdlib) == outcome(lambda d: pybase64.b64decode(d, validate=True)), (
         data
     )
+
+
+def _tiff(
+    *,
+    photometric: int = 2,
+    samples: int = 3,
+    bits: int = 8,
+    sample_format: int = 1,
+    compression: int = 1,
+    size: int = 32,
+) -> bytes:
+    """A minimal, well-formed little-endian TIFF of one strip of zero samples, as the tags say."""
+    data = bytes(size * size * samples * bits // 8)
+    entries = [  # (tag, type: 3 SHORT or 4 LONG, values)
+        (256, 4, [size]),  # ImageWidth
+        (257, 4, [size]),  # ImageLength
+        (258, 3, [bits] * samples),  # BitsPerSample
+        (259, 3, [compression]),
+        (262, 3, [photometric]),
+        (273, 4, [0]),  # StripOffsets: set below
+        (277, 3, [samples]),  # SamplesPerPixel
+        (278, 4, [size]),  # RowsPerStrip
+        (279, 4, [len(data)]),  # StripByteCounts
+        (284, 3, [1]),  # PlanarConfiguration: contiguous
+        (339, 3, [sample_format] * samples),  # SampleFormat
+    ]
+    packed = [
+        (tag, kind, b"".join(v.to_bytes(2 if kind == 3 else 4, "little") for v in values))
+        for tag, kind, values in entries
+    ]
+    out_of_line = 8 + 2 + 12 * len(entries) + 4  # after the header and the IFD
+    strip = out_of_line + sum(len(payload) for *_, payload in packed if len(payload) > 4)
+    ifd, extra = bytearray(len(entries).to_bytes(2, "little")), bytearray()
+    for tag, kind, payload in packed:
+        count = len(payload) // (2 if kind == 3 else 4)
+        if tag == 273:
+            payload = strip.to_bytes(4, "little")
+        if len(payload) > 4:
+            value = (out_of_line + len(extra)).to_bytes(4, "little")
+            extra += payload
+        else:
+            value = payload.ljust(4, b"\0")
+        ifd += tag.to_bytes(2, "little") + kind.to_bytes(2, "little")
+        ifd += count.to_bytes(4, "little") + value
+    ifd += bytes(4)  # no next IFD
+    return b"II*\0" + (8).to_bytes(4, "little") + bytes(ifd) + bytes(extra) + data
+
+
+def test_the_minimal_tiff_writer_writes_readable_tiffs() -> None:
+    assert decode(_tiff()).sum() == 0  # 8-bit RGB
+    assert decode(_tiff(photometric=1, samples=1)).sum() == 0  # 8-bit gray
+
+
+@pytest.mark.parametrize(
+    ("tags", "described"),
+    [
+        ({"bits": 32, "sample_format": 3}, "RGB, 3 samples of 32-bit float"),
+        ({"bits": 16, "sample_format": 3}, "RGB, 3 samples of 16-bit float"),
+        ({"sample_format": 2}, "RGB, 3 samples of 8-bit signed integer"),
+        ({"bits": 32}, "RGB, 3 samples of 32-bit unsigned integer"),
+        ({"photometric": 1, "samples": 5}, "BlackIsZero, 5 samples of 8-bit unsigned integer"),
+    ],
+    ids=["float32 RGB", "float16 RGB", "int8 RGB", "uint32 RGB", "5 samples"],
+)
+def test_a_tiff_in_a_pixel_format_pillow_cannot_read_is_unsupported_not_damaged(
+    tags: dict[str, int], described: str
+) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        decode(_tiff(**tags))
+    assert str(info.value) == (
+        f"invalid request {WHERE}: field 'image_data': a TIFF image in a pixel format that is "
+        f"not supported (unknown pixel mode: {described}; use 8-bit RGB)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("compression", "named"),
+    [
+        (34712, "compression 34712, JPEG 2000"),
+        (33005, "compression 33005, Aperio JPEG 2000 (RGB)"),
+        (60000, "compression 60000"),
+    ],
+    ids=["JPEG 2000", "Aperio JPEG 2000", "unknown"],
+)
+def test_a_tiff_in_a_compression_pillow_cannot_read_is_unsupported_not_damaged(
+    compression: int, named: str
+) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        decode(_tiff(compression=compression))
+    assert str(info.value) == (
+        f"invalid request {WHERE}: field 'image_data': a TIFF image with a compression that is "
+        f"not supported ({named})"
+    )
+
+
+def test_a_damaged_tiff_is_still_damaged() -> None:
+    # A palette image without its ColorMap: Pillow's KeyError is a bare number, as for an unknown
+    # compression, but this one is a broken file.
+    with pytest.raises(InvalidRequestError, match="a damaged or truncated TIFF image"):
+        decode(_tiff(photometric=3, samples=1))
+
+
+def test_a_12_bit_jpeg_is_unsupported_not_damaged() -> None:
+    raw = bytearray(encode(Image.new("RGB", (32, 32)), "JPEG"))
+    sof = raw.index(b"\xff\xc0")  # baseline SOF0: length(2), precision(1), ...
+    raw[sof + 4] = 12
+    with pytest.raises(InvalidRequestError) as info:
+        decode(bytes(raw))
+    assert str(info.value) == (
+        f"invalid request {WHERE}: field 'image_data': a JPEG image in a pixel format that is "
+        "not supported (cannot handle 12-bit layers; use 8-bit RGB)"
+    )
+
+
+try:
+    import pybase64
+except ImportError:  # pragma: no cover - the `fast` extra is missing
+    pybase64 = None
+
+
+def _pybase64_decode(data: str) -> bytes:
+    return bytes(pybase64.b64decode(data, validate=True))
+
+
+BASE64_DECODERS = [
+    pytest.param(imaging._b64decode_stdlib, id="stdlib"),
+    pytest.param(
+        _pybase64_decode,
+        id="pybase64",
+        marks=pytest.mark.skipif(pybase64 is None, reason="pybase64 is not installed"),
+    ),
+]
+NO_SPACES = "(send the base64 without spaces or line breaks)"
+
+
+@pytest.mark.parametrize("decoder", BASE64_DECODERS)
+@pytest.mark.parametrize(
+    ("data", "fault"),
+    [
+        ("YWJjZA", "length 6 is not a multiple of 4 (missing padding: the last group needs 2 '=')"),
+        (
+            "YWJjZGU",
+            "length 7 is not a multiple of 4 (missing padding: the last group needs 1 '=')",
+        ),
+        (
+            "YWJjZA=",
+            "length 7 is not a multiple of 4 (incomplete padding: the last group needs 2 '=')",
+        ),
+        (" YWJj", f"character ' ' at offset 0 is not in the base64 alphabet {NO_SPACES}"),
+        (" QQ==", f"character ' ' at offset 0 is not in the base64 alphabet {NO_SPACES}"),
+        ("YWJj\nYWJj", f"character '\\n' at offset 4 is not in the base64 alphabet {NO_SPACES}"),
+        ("QQ==\r\n", f"character '\\r' at offset 4 is not in the base64 alphabet {NO_SPACES}"),
+        (
+            "YWJj-_8=",
+            "character '-' at offset 4 is not in the base64 alphabet "
+            "(URL-safe base64? send the standard alphabet, with '+' and '/')",
+        ),
+        ("YWJj!", "character '!' at offset 4 is not in the base64 alphabet"),
+        ("YWJjé", "character 'é' at offset 4 is not in the base64 alphabet"),
+        ("YWJj\x00", "character '\\x00' at offset 4 is not in the base64 alphabet"),
+        ("QQ==QQ==", "padding '=' in the middle of the data, at offset 2"),
+        ("YWJj=", "excess padding: 1 '=' after a complete group of 4 characters"),
+        ("====", "excess padding: 4 '=' after a complete group of 4 characters"),
+        ("YWI==", "excess padding: 2 '=' where the last group needs 1"),
+        (
+            "YWJjZ",
+            "length 5: the last group has a single character, which encodes nothing "
+            "(the data is truncated, or has a character too many)",
+        ),
+        (
+            "YWJjZ===",
+            "length 8: the last group has a single character, which encodes nothing "
+            "(the data is truncated, or has a character too many)",
+        ),
+    ],
+    ids=[
+        "missing padding 2",
+        "missing padding 1",
+        "incomplete padding",
+        "leading space",
+        "leading space before padding",
+        "newline",
+        "CRLF",
+        "URL-safe",
+        "punctuation",
+        "non-ASCII",
+        "NUL",
+        "padding in the middle",
+        "padding after a full group",
+        "padding only",
+        "too much padding",
+        "a lone last character",
+        "a lone last character padded",
+    ],
+)
+def test_base64_faults_are_named_in_one_wording_whichever_decoder_refuses(
+    monkeypatch: pytest.MonkeyPatch, decoder: Any, data: str, fault: str
+) -> None:
+    monkeypatch.setattr(imaging, "_b64decode", decoder)
+    with pytest.raises(InvalidRequestError) as info:
+        decode(data)
+    assert str(info.value) == (
+        f"invalid request {WHERE}: field 'image_data': not valid base64: {fault}"
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="AQgw+/=-_ \n!é", max_size=10))
+def test_a_base64_fault_is_named_exactly_when_a_decoder_refuses(data: str) -> None:
+    for decoder in (imaging._b64decode_stdlib, *([_pybase64_decode] if pybase64 else [])):
+        try:
+            decoder(data)
+        except ValueError:  # binascii.Error too
+            assert base64_fault(data), (decoder, data)
+        else:
+            assert base64_fault(data) == "", (decoder, data)
+
+
+@pytest.mark.parametrize("decoder", BASE64_DECODERS)
+def test_valid_base64_still_decodes_with_either_decoder(
+    monkeypatch: pytest.MonkeyPatch, decoder: Any
+) -> None:
+    monkeypatch.setattr(imaging, "_b64decode", decoder)
+    raw = tile_bytes(11, size=32)
+    assert np.array_equal(decode(base64.b64encode(raw).decode()).numpy(), pixels(raw))

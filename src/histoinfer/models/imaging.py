@@ -21,6 +21,7 @@ from PIL import JpegImagePlugin, PngImagePlugin, TiffImagePlugin  # noqa: F401  
 
 from ..errors import InvalidRequestError
 from . import png
+from .faults import base64_fault, unsupported_reason
 
 __all__ = ["ACCEPTED_FORMATS", "decode_tile"]
 
@@ -70,7 +71,10 @@ def _open(raw: bytes) -> Image.Image:
             continue
         try:
             return factory(io.BytesIO(raw), "")
-        except (SyntaxError, IndexError, TypeError, struct.error):
+        except (SyntaxError, IndexError, TypeError, struct.error) as exc:
+            unsupported = unsupported_reason(name, raw, exc)
+            if unsupported:
+                raise _Unsupported(f"a {name} image {unsupported}") from None
             recognized = recognized or name  # its signature, but not readable as one
     if recognized:
         raise _Damaged(recognized)
@@ -82,6 +86,11 @@ class _Damaged(UnidentifiedImageError):
 
     def __init__(self, format_name: str) -> None:
         super().__init__(f"a damaged or truncated {format_name} image")
+
+
+class _Unsupported(UnidentifiedImageError):
+    """A well-formed image of an accepted format, in a pixel format or compression that Pillow
+    cannot represent or decode (float or signed samples, JPEG 2000 in a TIFF, 12-bit JPEG)."""
 
 
 def _unaccepted_format(raw: bytes) -> str:
@@ -193,8 +202,10 @@ def decode_tile(
         raise invalid("send the bare base64 payload, without the 'data:...;base64,' prefix")
     try:
         raw = _b64decode(image_data)
-    except (binascii.Error, ValueError) as exc:
-        raise invalid(f"not valid base64 ({exc})") from None
+    except (binascii.Error, ValueError):
+        # Worded from the data itself: pybase64 and binascii word (and order) faults differently.
+        fault = base64_fault(image_data)
+        raise invalid(f"not valid base64: {fault}" if fault else "not valid base64") from None
     if not raw:
         raise invalid("image is empty")
 
@@ -224,6 +235,8 @@ def decode_tile(
             return _resized(Image.fromarray(array), tile_size, interpolation)
     try:
         image = _open(raw)
+    except _Unsupported as exc:
+        raise invalid(str(exc)) from None
     except _Damaged as exc:
         raise invalid(f"{exc} (it cannot be read)") from None
     except UnidentifiedImageError:
