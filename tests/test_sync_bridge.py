@@ -211,6 +211,48 @@ def test_close_lets_sync_calls_in_flight_finish_then_refuses(tiny_model: ServerM
 
 
 @pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_a_cancelled_aclose_still_ends_the_clients_threads(tiny_model: ServerModel) -> None:
+    """Regression: ``async with client`` left by a timeout (its aclose() cancelled before it
+    stopped them) left the portal and batch-decode threads running while the client lived."""
+    client = InProcessClient(tiny_model, max_batch_size=8, batch_decode_threads=2)
+    in_pass = threading.Event()
+    release = threading.Event()
+    real_forward = tiny_model.forward_tiles
+
+    def held_forward(tiles, mode):  # type: ignore[no-untyped-def]
+        if len(tiles) == 1 and not release.is_set():
+            in_pass.set()
+            release.wait(30)
+        return real_forward(tiles, mode)
+
+    client.predict(body(0))  # on the loop's own thread: through the portal
+    client.predict_batch([body(1), body(2)])  # starts the batch-decode threads
+    portal, decoder = client._portal, client._batch_decoder
+    assert portal is not None and decoder is not None
+    tiny_model.forward_tiles = held_forward  # type: ignore[method-assign]
+    try:
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(client.predict_async, body(3))  # in flight, held in its pass
+                await anyio.to_thread.run_sync(in_pass.wait, 30)
+                with anyio.move_on_after(0.05):  # aclose() cancelled while it waits
+                    await client.aclose()
+                assert client.closed and client._calls.active == 1
+                release.set()
+    finally:
+        release.set()
+        del tiny_model.forward_tiles
+    deadline = time.monotonic() + 20
+    while portal.thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not portal.thread.is_alive()  # ended with the last call, no close() needed
+    assert decoder._shutdown  # type: ignore[attr-defined]
+    with pytest.raises(ClientClosedError):
+        client.predict(body(0))
+
+
+@pytest.mark.anyio
 @pytest.mark.timeout(30)
 async def test_sync_calls_after_close_are_refused_from_any_thread(
     tiny_model: ServerModel,

@@ -385,6 +385,15 @@ class _LoopState:
             decoder.close_soon()
 
 
+def _when_closed_and_idle(loops: PerLoop[_LoopState], client: weakref.ref[InProcessClient]) -> None:
+    """The client is closed and its last call done (on that call's thread): end the loops'
+    schedulers, and tell the client's threads to end, without waiting for them here."""
+    _close_loop_states(loops)
+    alive = client()
+    if alive is not None:
+        alive._stop_threads(wait=False)
+
+
 def _close_loop_states(loops: PerLoop[_LoopState]) -> None:
     """Forget every loop's state and end its schedulers (on close, or when the client is
     dropped: this is also the client's finalizer, so it must not reference the client)."""
@@ -479,8 +488,12 @@ class InProcessClient(ClosingContext):
         # Dropped without close(): end the runner tasks in their loops rather than leave them
         # to the garbage collector. Holds the loops, which hold nothing of the client.
         weakref.finalize(self, _close_loop_states, self._loops)
-        # Every loop's schedulers end once the client is closed and its last call is done.
-        self._calls = InFlight(when_done=partial(_close_loop_states, self._loops))
+        # Every loop's schedulers end, and the threads are told to, once the client is closed
+        # and its last call is done: even if no close() or aclose() gets to stop them (an
+        # aclose() cancelled while calls were in flight).
+        self._calls = InFlight(
+            when_done=partial(_when_closed_and_idle, self._loops, weakref.ref(self))
+        )
         self._portal: PortalThread | None = None
         self._threads_lock = threading.Lock()
         self._portal_finalizer: weakref.finalize[Any, Any] | None = None
@@ -583,8 +596,10 @@ class InProcessClient(ClosingContext):
         self._stop_threads()
 
     async def aclose(self) -> None:
+        """:meth:`close`, awaited. Cancellable: cancelled before the calls in flight are done,
+        the client is closed all the same, and its threads end as the last call does."""
         self._calls.close()
-        # Cancellable; this loop keeps running its own in-flight requests meanwhile.
+        # This loop keeps running its own in-flight requests meanwhile.
         await self._calls.wait_idle_async()
         await anyio.to_thread.run_sync(self._stop_threads)
 
@@ -849,13 +864,20 @@ class InProcessClient(ClosingContext):
                 self._portal_finalizer = weakref.finalize(self, self._portal.stop)
             return self._portal
 
-    def _stop_threads(self) -> None:
-        """Stop the portal thread and the batch decoding threads (whatever this client runs)."""
+    def _stop_threads(self, wait: bool = True) -> None:
+        """Stop the portal thread and the batch decoding threads (whatever this client runs);
+        with ``wait``, the portal's thread is joined (a portal told to stop before, without
+        waiting, is joined now)."""
         with self._threads_lock:
-            finalizer, self._portal_finalizer, self._portal = self._portal_finalizer, None, None
-            decoder, self._batch_decoder = self._batch_decoder, None
-        if finalizer is not None:
-            finalizer()
+            portal = self._portal
+            decoder = self._batch_decoder
+            if wait:
+                finalizer, self._portal_finalizer, self._portal = self._portal_finalizer, None, None
+                self._batch_decoder = None
+                if finalizer is not None:
+                    finalizer.detach()
+        if portal is not None:
+            portal.stop(timeout=_PORTAL_JOIN_S if wait else 0.0)
         if decoder is not None:
             decoder.shutdown(wait=False)
 
@@ -873,6 +895,10 @@ async def _in_host_loop(fn: Callable[[str], Coroutine[Any, Any, T]], body: str) 
         pass
     await anyio.lowlevel.checkpoint()
     return await fn(body)
+
+
+#: the longest ``close()`` waits for the portal's thread to end (its calls are done by then)
+_PORTAL_JOIN_S = 10.0
 
 
 def _default_prepare_threads(model: ServerModel) -> int:

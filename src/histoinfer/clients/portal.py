@@ -136,16 +136,18 @@ class PortalThread:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Let running calls finish, then end the loop and (unless called from it) join its
-        thread, for at most ``timeout`` seconds. Idempotent; never raises.
+        thread, for at most ``timeout`` seconds (0: do not wait). Idempotent, and a later call
+        joins a portal stopped without waiting; never raises.
         """
         with self._lock:
             was_open, self._open = self._open, False
         loop, stop_requested = self._loop, self._stop_requested
-        if not was_open or loop is None or stop_requested is None:
+        if loop is None or stop_requested is None:
             return
-        with contextlib.suppress(RuntimeError):  # the loop is already closed
-            loop.call_soon_threadsafe(stop_requested.set)
-        if threading.current_thread() is not self._thread:
+        if was_open:
+            with contextlib.suppress(RuntimeError):  # the loop is already closed
+                loop.call_soon_threadsafe(stop_requested.set)
+        if timeout > 0 and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
 
