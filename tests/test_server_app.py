@@ -162,10 +162,14 @@ def gated(tiny_model: Any) -> GatedModel:
     return model
 
 
-async def test_full_queue_answers_503_at_once(tiny_model):
+@pytest.mark.parametrize("overload", ["reject", "wait"])
+async def test_full_queue_answers_503_at_once(tiny_model, overload):
+    """Whatever the client does for its in-process callers (regression: a client built with
+    the default overload="wait" made HTTP requests wait for room)."""
     model = gated(tiny_model)
     # Two decode threads, so that both held requests are admitted and decoding at once.
-    app = create_app(fresh_client(model, max_queue=2, prepare_threads=2), retry_after=7)
+    client = fresh_client(model, max_queue=2, prepare_threads=2, overload=overload)
+    app = create_app(client, retry_after=7)
     statuses: list[int] = []
     async with serving(app) as http:
 

@@ -440,7 +440,7 @@ class InProcessClient(ClosingContext):
         max_queue: int | None = 4096,
         prepare_threads: int | None = None,
         request_timeout: float | None = None,
-        overload: Literal["wait", "reject"] = "wait",
+        overload: Overload = "wait",
         batch_decode_threads: int = 1,
         name: str | None = None,
     ) -> None:
@@ -451,8 +451,7 @@ class InProcessClient(ClosingContext):
         check_count("prepare_threads", prepare_threads, none_ok=True)
         check_seconds("request_timeout", request_timeout, none_ok=True)
         check_count("batch_decode_threads", batch_decode_threads)
-        if overload not in ("wait", "reject"):
-            raise ValueError(f"overload must be 'wait' or 'reject', got {overload!r}")
+        wait_for_room = _waits(overload)
         check_flag("dynamic_batching", dynamic_batching)
         if not isinstance(server_model, ServerModel):
             hint = (
@@ -473,7 +472,7 @@ class InProcessClient(ClosingContext):
         self.request_timeout = request_timeout
         self.batch_decode_threads = batch_decode_threads
         self._batch_decoder: ThreadPoolExecutor | None = None
-        self._wait_for_room = overload == "wait"
+        self._wait_for_room = wait_for_room
         if name is not None and (not isinstance(name, str) or not name):
             raise ValueError(f"name must be a non-empty string, got {name!r}")
         self._model_name = name or server_model.metadata().name
@@ -616,17 +615,20 @@ class InProcessClient(ClosingContext):
     def _finish(self, request: ModelRequest, output: SampleOutput, mode: Mode) -> str:
         return self.server_model.response_json(request, output, mode)
 
-    async def infer_async(self, body: str | bytes, mode: Mode) -> str:
-        """Run one request body in ``mode`` (what the server routes call); see ``predict_async``."""
+    async def infer_async(
+        self, body: str | bytes, mode: Mode, *, overload: Overload | None = None
+    ) -> str:
+        """Run one request body in ``mode`` (what the server routes call); see ``predict_async``.
+        ``overload`` overrides the client's for this call: the server refuses at once with a
+        full queue (SPEC §5) whatever its client does for in-process callers."""
+        wait_for_room = self._wait_for_room if overload is None else _waits(overload)
         with self._calls.call():
             self.server_model.check_mode(mode)  # an unknown mode is the caller's error
             state = self._loops.get()
             if self.dynamic_batching:
                 scheduler = state.scheduler(mode)
                 # The deadline runs from here: waiting for room and preparing count too.
-                reservation = scheduler.reserve(
-                    wait=self._wait_for_room, timeout=self.request_timeout
-                )
+                reservation = scheduler.reserve(wait=wait_for_room, timeout=self.request_timeout)
                 async with reservation as slot:
                     output: SampleOutput | None = None
                     if self._alone(body, others=state.admitted() - 1):
@@ -639,7 +641,7 @@ class InProcessClient(ClosingContext):
                         job = _Job(*await self._decoded(state, body, mode, slot))
                         output = await _forwarded(slot, job)
             else:
-                job, output = await self._infer_unbatched(state, body, mode)
+                job, output = await self._infer_unbatched(state, body, mode, wait_for_room)
             assert job.request is not None
             try:
                 return self._finish(job.request, output, mode)
@@ -663,7 +665,7 @@ class InProcessClient(ClosingContext):
             raise self._deadline_exceeded(mode, "it was still waiting to be decoded") from None
 
     async def _infer_unbatched(
-        self, state: _LoopState, body: str | bytes, mode: Mode
+        self, state: _LoopState, body: str | bytes, mode: Mode, wait_for_room: bool
     ) -> tuple[_Job, SampleOutput]:
         """Batch size 1 (``dynamic_batching=False``): decode the body, then run its tile alone.
         ``request_timeout`` bounds the wait for decoding and for the device, as a dynamic
@@ -672,7 +674,7 @@ class InProcessClient(ClosingContext):
         as a dynamic call is by its scheduler."""
         start_by = deadline_from(self.request_timeout)
         admission = state.admission(mode)
-        await admission.acquire(self._wait_for_room, start_by)
+        await admission.acquire(wait_for_room, start_by)
         try:
             return await self._run_unbatched(state, body, mode, start_by)
         finally:
@@ -917,6 +919,16 @@ def _default_prepare_threads(model: ServerModel) -> int:
         threads = torch.get_num_threads()
         return cores if shards.available(model, threads) else max(1, cores - threads)
     return max(2, cores)
+
+
+#: what a call does when its loop's queue is full: wait for room, or be refused at once
+Overload = Literal["wait", "reject"]
+
+
+def _waits(overload: Overload) -> bool:
+    if overload not in ("wait", "reject"):
+        raise ValueError(f"overload must be 'wait' or 'reject', got {overload!r}")
+    return overload == "wait"
 
 
 def _remaining(deadline: float | None) -> float | None:

@@ -392,9 +392,8 @@ def create_app(
         models: a client (served under its model's name), or ``{route name: client or
             factory}``. Factories are called in a worker thread at startup, so the port opens
             (and ``/health/live`` answers) while a large checkpoint loads. The app owns its
-            clients: it closes them at shutdown. Build them with ``overload="reject"`` so a full
-            queue answers 503 at once (the CLI does); with the default ``"wait"`` requests
-            wait for room instead.
+            clients: it closes them at shutdown. A full queue answers 503 at once (SPEC §4),
+            whatever the client's ``overload``: that applies to its in-process callers.
         max_body_bytes: larger request bodies are refused with 413.
         retry_after: seconds sent in ``Retry-After`` with every 503.
         warmup: run one tile through every mode before reporting ready.
@@ -463,7 +462,8 @@ def create_app(
         if mode == "metadata":  # the metadata route, with the wrong method: not a mode
             raise StarletteHTTPException(405, headers={"Allow": "GET"})
         checked, client = _mode(mode), state.client(model)
-        return await _unless_disconnected(request, partial(client.infer_async, body, checked))
+        work = partial(client.infer_async, body, checked, overload="reject")
+        return await _unless_disconnected(request, work)
 
     # The single-tile route, every request's, is served by a plain Starlette route: FastAPI's
     # own handling of a route (its dependency solving and request/response wrappers) cost
@@ -539,7 +539,7 @@ def create_app(
             return _json(client.metadata())
         invocation: InvocationRequest = parse_model(InvocationRequest, raw, "invocation")
         body = invocation.to_model_request().model_dump_json()
-        work = partial(client.infer_async, body, INVOCATION_MODES[envelope.mode])
+        work = partial(client.infer_async, body, INVOCATION_MODES[envelope.mode], overload="reject")
         return await _unless_disconnected(request, work)
 
     def readiness() -> JSONResponse:
