@@ -467,7 +467,7 @@ def test_batch_names_every_bad_position_and_computes_nothing(
     with pytest.raises(InvalidRequestError) as info:
         client.embed_batch(bodies)
     message = str(info.value)
-    assert "3 of 6" in message and "nothing was computed" in message
+    assert "3 of 6 requests are invalid (positions 1, 3-4), nothing was computed" in message
     for position in (1, 3, 4):
         assert f"batch position {position}" in message
     for position in (0, 2, 5):
@@ -477,17 +477,28 @@ def test_batch_names_every_bad_position_and_computes_nothing(
     assert len(client.embed_batch([b for i, b in enumerate(bodies) if i in (0, 2, 5)])) == 3
 
 
-def test_a_batch_of_many_bad_requests_names_the_first_ones(
+def test_a_batch_of_many_bad_requests_names_every_position_and_describes_the_first(
     client: InProcessClient, model: CountingModel
 ) -> None:
-    """A body of a million tiny invalid elements must not answer with megabytes of message."""
+    """A body of a million tiny invalid elements must not answer with megabytes of message;
+    every bad position is still named (SPEC §2.2), as runs."""
     with pytest.raises(InvalidRequestError) as info:
         client.predict_batch(["1"] * 1000)
     message = str(info.value)
-    assert message.startswith("1000 of 1000 requests are invalid")
+    assert message.startswith("1000 of 1000 requests are invalid (positions 0-999)")
     assert "batch position 19:" in message and "batch position 20:" not in message
     assert message.endswith("; and 980 more") and len(message) < 5000
     assert model.calls == []
+
+
+def test_bad_positions_past_the_listed_runs_are_counted(client: InProcessClient) -> None:
+    bodies = ["1" if i % 2 else make_body(i) for i in range(4_010)]  # 2,005 runs of one
+    with pytest.raises(InvalidRequestError) as info:
+        client.predict_batch(bodies)
+    message = str(info.value)
+    assert "(positions 1, 3, 5, " in message
+    assert ", 1997, 1999 and 1005 more after them)" in message  # 1,000 runs listed
+    assert len(message) < 20_000
 
 
 GOOD = [make_body(i) for i in range(8)]

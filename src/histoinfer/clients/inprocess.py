@@ -752,10 +752,10 @@ class InProcessClient(ClosingContext):
                 )
             self.server_model.check_mode(mode)
             prepared: list[Prepared] = []
-            problems: list[InferenceError] = []
-            for decoded in self._decode_batch(bodies, mode):
+            problems: dict[int, InferenceError] = {}
+            for position, decoded in enumerate(self._decode_batch(bodies, mode)):
                 if isinstance(decoded, InferenceError):
-                    problems.append(decoded)
+                    problems[position] = decoded
                 else:
                     prepared.append(decoded)
             if problems:
@@ -935,25 +935,49 @@ def _remaining(deadline: float | None) -> float | None:
     return None if deadline is None else deadline - time.perf_counter()
 
 
-#: Problems a refused ``*_batch`` call names one by one; the rest are counted. A body of a
+#: Problems a refused ``*_batch`` call describes one by one; the rest are counted. A body of a
 #: million tiny invalid elements must not answer with a message of tens of megabytes.
 _NAMED_PROBLEMS = 20
+#: Runs of bad positions listed (``0-24, 30``): every one in any batch a user would send; past
+#: this many (a huge batch, every other body bad), the rest are counted.
+_LISTED_RUNS = 1_000
 
 
-def _batch_refusal(problems: list[InferenceError], total: int) -> InferenceError:
+def _batch_refusal(problems: dict[int, InferenceError], total: int) -> InferenceError:
     """Why a ``*_batch`` call computed nothing: a model's failure to prepare a request as it
-    is (ServerModel.prepared_tile), else the invalid requests, the first ones by name."""
-    failed = next((p for p in problems if not isinstance(p, InvalidRequestError)), None)
+    is (ServerModel.prepared_tile), else the invalid requests: every bad position, and what
+    is wrong with the first ones."""
+    failed = next((p for p in problems.values() if not isinstance(p, InvalidRequestError)), None)
     if failed is not None:
         return failed
     # The class a single request would get when every problem is of that kind (all bulk_rna:
     # UnsupportedModeError, 400 over HTTP), else the general one.
-    kinds = {type(p) for p in problems}
+    kinds = {type(p) for p in problems.values()}
     error = kinds.pop() if len(kinds) == 1 else InvalidRequestError
-    named = "; ".join(map(str, problems[:_NAMED_PROBLEMS]))
-    if len(problems) > _NAMED_PROBLEMS:
-        named += f"; and {len(problems) - _NAMED_PROBLEMS} more"
-    return error(f"{len(problems)} of {total} requests are invalid, nothing was computed: {named}")
+    described = list(problems.values())[:_NAMED_PROBLEMS]
+    named = "; ".join(map(str, described))
+    if len(problems) > len(described):
+        named += f"; and {len(problems) - len(described)} more"
+    where = f"position{'s' if len(problems) > 1 else ''} {_runs(list(problems))}"
+    return error(
+        f"{len(problems)} of {total} requests are invalid ({where}), nothing was computed: {named}"
+    )
+
+
+def _runs(positions: list[int]) -> str:
+    """Ascending ``positions`` as runs: ``0-3, 7, 9-10``; past :data:`_LISTED_RUNS` runs,
+    the rest counted."""
+    runs: list[list[int]] = []
+    for position in positions:
+        if runs and position == runs[-1][1] + 1:
+            runs[-1][1] = position
+        else:
+            runs.append([position, position])
+    shown = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs[:_LISTED_RUNS])
+    if len(runs) > _LISTED_RUNS:
+        rest = sum(b - a + 1 for a, b in runs[_LISTED_RUNS:])
+        shown += f" and {rest} more after them"
+    return shown
 
 
 def _execution_error(request: ModelRequest | None, exc: BaseException) -> ModelExecutionError:
