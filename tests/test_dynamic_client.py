@@ -442,6 +442,24 @@ async def test_a_request_not_dispatched_in_time_gets_a_deadline_error(
     assert outputs_close(results[0], expected(tiny_model, [0])[0])  # dispatched: it completes
 
 
+@pytest.mark.parametrize("dynamic_batching", [True, False], ids=["dynamic", "batch-size-1"])
+async def test_a_deadline_past_on_arrival_is_not_called_a_full_queue(
+    tiny_model: ServerModel, dynamic_batching: bool
+) -> None:
+    """Regression: with room in the queue, a deadline already past on arrival was reported as
+    'still waiting for room in a full queue' (anyio's wait for room is a checkpoint that the
+    expired deadline cancels); at batch size 1, as 'the device was busy with other work'."""
+    client = InProcessClient(tiny_model, request_timeout=1e-9, dynamic_batching=dynamic_batching)
+    with client, anyio.fail_after(30):
+        for _ in range(3):
+            with pytest.raises(DeadlineExceededError) as info:
+                await client.predict_async(make_body(0))
+            message = str(info.value)
+            assert "full queue" not in message and "busy" not in message, message
+            assert "expired before the request was queued" in message
+        assert client.stats()["predict"].samples == 0
+
+
 async def test_a_body_whose_deadline_passes_while_it_waits_for_the_decode_stage_is_not_decoded(
     monkeypatch: pytest.MonkeyPatch, tiny_model: ServerModel
 ) -> None:

@@ -707,6 +707,8 @@ class InProcessClient(ClosingContext):
         # Loaded while other calls are being decoded: then the pass leaves them their cores,
         # as a dynamic client's does (clients/cores.py).
         loaded = partial(_decoding, limiter)
+        if start_by is not None and time.perf_counter() >= start_by:
+            raise self._deadline_exceeded(mode, "it expired before the request was queued")
         future = self._device_thread.submit(
             _timed, _forward_jobs, self.server_model, [job], mode, self._cores, loaded
         )
