@@ -14,6 +14,7 @@ import random
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -458,6 +459,37 @@ async def test_a_deadline_past_on_arrival_is_not_called_a_full_queue(
             assert "full queue" not in message and "busy" not in message, message
             assert "expired before the request was queued" in message
         assert client.stats()["predict"].samples == 0
+
+
+@pytest.mark.parametrize("dynamic_batching", [True, False], ids=["dynamic", "batch-size-1"])
+async def test_a_pass_whose_caller_left_during_it_is_counted_when_it_ends(
+    tiny_model: ServerModel, dynamic_batching: bool
+) -> None:
+    """Regression (batch size 1): the pass ran, but the statistics never said so."""
+    model, watch, gate = gated_model(tiny_model)
+    client = InProcessClient(model, dynamic_batching=dynamic_batching)
+    with client:
+        try:
+            with anyio.fail_after(30):
+                async with anyio.create_task_group() as tg:
+
+                    async def leaves_during_its_pass() -> None:
+                        with anyio.CancelScope() as scope:
+                            tg.start_soon(_cancel_when, scope, lambda: watch.calls == 1)
+                            await client.predict_async(make_body(0))
+
+                    tg.start_soon(leaves_during_its_pass)
+                gate.set()
+                await wait_until(lambda: client.stats()["predict"].batches == 1)
+        finally:
+            gate.set()
+        snapshot = client.stats()["predict"]
+        assert (snapshot.samples, snapshot.cancelled, snapshot.errors) == (1, 0, 0)
+
+
+async def _cancel_when(scope: anyio.CancelScope, condition: Callable[[], bool]) -> None:
+    await wait_until(condition)
+    scope.cancel()
 
 
 async def test_a_body_whose_deadline_passes_while_it_waits_for_the_decode_stage_is_not_decoded(

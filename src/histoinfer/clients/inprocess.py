@@ -31,6 +31,7 @@ the garbage collector would destroy it mid-await ("Task was destroyed but it is 
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import threading
@@ -394,6 +395,23 @@ def _when_closed_and_idle(loops: PerLoop[_LoopState], client: weakref.ref[InProc
         alive._stop_threads(wait=False)
 
 
+def _count_abandoned_pass(
+    stats: BatchStats,
+    future: concurrent.futures.Future[
+        tuple[list[SampleOutput | InferenceError | _TooBigHere], float]
+    ],
+) -> None:
+    """A batch-size-1 pass whose caller left while it ran, counted as it ends (on the device's
+    thread): it ran, so the statistics say so."""
+    error = future.exception()
+    if error is not None:
+        stats.record_error(type(error).__name__)
+        return
+    [result], ran_s = future.result()
+    if not isinstance(result, (InferenceError, _TooBigHere)):  # a refusal ran nothing
+        stats.record_batch(1, [0.0], ran_s)
+
+
 def _close_loop_states(loops: PerLoop[_LoopState]) -> None:
     """Forget every loop's state and end its schedulers (on close, or when the client is
     dropped: this is also the client's finalizer, so it must not reference the client)."""
@@ -717,6 +735,8 @@ class InProcessClient(ClosingContext):
         except anyio.get_cancelled_exc_class():
             if future.cancelled():  # left before its pass started, as a dynamic call counts it
                 self._stats[mode].record_cancelled()
+            else:  # its pass runs on: counted when it ends, as a dynamic batch's is
+                future.add_done_callback(partial(_count_abandoned_pass, self._stats[mode]))
             raise
         except Exception as exc:
             if future.cancelled():  # the device had not got to it by the deadline
