@@ -4,13 +4,14 @@ explicit, ``*_batch`` and HTTP."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import anyio
 import httpx
 import pytest
 import torch
-from helpers import make_body, serving
+from helpers import make_body, outputs_close, serving
 
 from histoinfer import HttpClient, InProcessClient
 from histoinfer.errors import ModelExecutionError
@@ -61,10 +62,18 @@ class FailingPostprocess(H1ServerModel):
 
 
 class NormalizingPrepare(H1ServerModel):
-    """Normalizes in ``prepare_sample``: the batch would normalize it a second time."""
+    """Normalizes in ``prepare_sample``, where SPEC §5 places normalization, as a user writes it
+    from ``model.json``'s mean and std."""
 
     def prepare_sample(self, request: ModelRequest) -> torch.Tensor:  # type: ignore[override]
-        return super().prepare_sample(request).float() / 255
+        mean = torch.tensor(self.assets.mean).view(3, 1, 1)
+        std = torch.tensor(self.assets.std).view(3, 1, 1)
+        return (super().prepare_sample(request).float() / 255 - mean) / std
+
+
+class Int64Prepare(H1ServerModel):
+    def prepare_sample(self, request: ModelRequest) -> torch.Tensor:  # type: ignore[override]
+        return super().prepare_sample(request).long()
 
 
 def build(cls: type[ServerModel], tiny_model: ServerModel) -> ServerModel:
@@ -130,11 +139,36 @@ async def test_a_subclass_failing_fails_its_own_request_alike_everywhere(
                 assert isinstance(await http.predict_async(bodies[0]), str)
 
 
-def test_a_tile_that_is_not_uint8_is_refused_naming_the_contract(
+@pytest.mark.anyio
+async def test_a_tile_normalized_by_prepare_sample_is_served_on_every_path(
+    tiny_model: ServerModel, reference: Any
+) -> None:
+    """Regression: a float tile was refused (normalization had moved into the batch), so a
+    subclass written as SPEC §5 has it failed every request."""
+    model = build(NormalizingPrepare, tiny_model)
+    bodies = [make_body(i) for i in range(6)]
+    expected = [reference.predict(b) for b in bodies]
+    with InProcessClient(model) as dynamic, InProcessClient(model, dynamic_batching=False) as one:
+        got = [dynamic.predict(bodies[0]), one.predict(bodies[1])]  # lone tiles
+        got += dynamic.predict_batch(bodies[2:4])
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:  # dynamic batches of several
+
+                async def call(i: int) -> None:
+                    got.append(await dynamic.predict_async(bodies[i]))
+
+                for i in (4, 5):
+                    tg.start_soon(call, i)
+        got[4:] = sorted(got[4:], key=lambda r: json.loads(r)["patch_idx"])
+        for answer, want in zip(got, expected, strict=True):
+            assert outputs_close(answer, want)  # normalized alike, once
+
+
+def test_a_tile_that_is_neither_pixels_nor_floats_is_refused_naming_the_contract(
     tiny_model: ServerModel,
 ) -> None:
-    model = build(NormalizingPrepare, tiny_model)
-    message = r"prepare_sample must return a uint8 tensor \[3, 224, 224\].*got float32"
+    model = build(Int64Prepare, tiny_model)
+    message = r"prepare_sample must return a tensor \[3, 224, 224\] on the CPU, of uint8.*got int64"
     with InProcessClient(model) as dynamic, InProcessClient(model, dynamic_batching=False) as one:
         for client in (dynamic, one):
             with pytest.raises(ModelExecutionError, match=message):

@@ -303,7 +303,7 @@ class ServerModel:
         size = self.assets.tile_size
         if not (
             isinstance(tile, torch.Tensor)
-            and tile.dtype == torch.uint8
+            and (tile.dtype == torch.uint8 or tile.is_floating_point())
             and tuple(tile.shape) == (3, size, size)
             and tile.device.type == "cpu"
         ):
@@ -313,8 +313,9 @@ class ServerModel:
                 else type(tile).__name__
             )
             raise ModelExecutionError(
-                f"model {name!r}: prepare_sample must return a uint8 tensor [3, {size}, {size}] "
-                f"on the CPU (the batch is normalized on the device), got {got} {where}"
+                f"model {name!r}: prepare_sample must return a tensor [3, {size}, {size}] on the "
+                f"CPU, of uint8 pixels (the batch is normalized on the device) or of floats "
+                f"(normalized already), got {got} {where}"
             )
         return tile
 
@@ -353,6 +354,8 @@ class ServerModel:
         before (contiguous).
         """
         overridden = self._forward_batch_overridden()
+        if not overridden and any(tile.dtype != torch.uint8 for tile in tiles):
+            return self._forward_normalized(tiles, mode)
         if self.device.type != "cpu" or overridden or not tiles:
             # The built-in forward_batch on an accelerator makes the batch contiguous there.
             keep = self.device.type != "cpu" and not overridden
@@ -387,6 +390,18 @@ class ServerModel:
                     raise ValueError(f"tiles of shapes {shape[1:]} and {got}")
                 row.copy_(tile.view(h, w * c)).mul_(self._row_scale).add_(self._row_shift)
             return self._run(rows.view(n, h, w, c).permute(0, 3, 1, 2), mode)
+
+    def _forward_normalized(self, tiles: Sequence[torch.Tensor], mode: Mode) -> BatchOutput:
+        """:meth:`forward_tiles` of tiles that a subclass's ``prepare_sample`` normalized itself
+        (floats, as SPEC §5 places normalization), and any pixel tiles beside them, normalized
+        here: the batch as the program takes it, with nothing normalized twice."""
+        with torch.inference_mode():
+            scale, shift = self._scale[0].cpu(), self._shift[0].cpu()
+            rows = [
+                tile.float().mul_(scale).add_(shift) if tile.dtype == torch.uint8 else tile
+                for tile in tiles
+            ]
+            return self._run(torch.stack(rows).float().to(self.device), mode)
 
     def _forward_batch_overridden(self) -> bool:
         return "forward_batch" in vars(self) or type(self).forward_batch is not (

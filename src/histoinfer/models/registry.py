@@ -47,6 +47,8 @@ def _same_definition(registered: type[ServerModel], cls: type[ServerModel]) -> b
 
 
 def available_models() -> list[str]:
+    """The registry keys :func:`build_server_model` accepts (the built-in ``h1``, and every
+    class registered with :func:`register_model`), sorted."""
     _load_builtins()
     return sorted(_REGISTRY)
 
