@@ -12,6 +12,7 @@ away), lets in-flight requests finish, then closes its clients.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import logging
@@ -23,6 +24,7 @@ from typing import Any, Literal, get_args
 import anyio
 import anyio.to_thread
 import pydantic_core
+import sniffio
 from fastapi import FastAPI, Request
 from PIL import Image
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
@@ -116,6 +118,7 @@ class ServerState:
         max_body_bytes: int,
         retry_after: int,
         warmup: bool,
+        cancel_on_disconnect: bool = True,
     ) -> None:
         if not models:
             raise ValueError("create_app needs at least one model")
@@ -123,6 +126,7 @@ class ServerState:
         self.max_body_bytes = max_body_bytes
         self.retry_after = retry_after
         self.warmup = warmup
+        self.cancel_on_disconnect = cancel_on_disconnect
         self.draining = False
         #: Called (on the event loop) if a model fails to load: the CLI stops the server.
         self.on_fatal: Callable[[], None] | None = None
@@ -262,35 +266,45 @@ CLIENT_CLOSED = 499
 
 
 async def _unless_disconnected(request: Request, work: Callable[[], Awaitable[str]]) -> Response:
-    """``work()``'s answer; or, if the client hangs up first, ``work()`` cancelled: a request that
-    is still queued then leaves its queue before dispatch (SPEC §5), one in a forward pass
+    """``work()``'s answer; or, if the client hangs up first, ``work()`` cancelled: a request
+    that is still queued then leaves its queue before dispatch (SPEC §5), one in a forward pass
     leaves its batch undisturbed. Uvicorn and Hypercorn do not cancel a handler whose client
     left, so without this every abandoned request was decoded and computed, and live callers
     waited behind them (1,000 dropped connections made the next request take 4.9 s, not 0.3).
 
     Called once the body is read: the next ASGI message is ``http.disconnect``, when the
-    connection closes (or the response is complete, by which time this has returned)."""
-    answer: str | None = None
-    failure: Exception | None = None
-    async with anyio.create_task_group() as tg:
-
-        async def hang_up_watch() -> None:
+    connection closes (or the response is complete, by which time this has returned). On
+    asyncio the watch is a plain task cancelling a scope (an anyio task group cost ~90 µs of
+    the loop's CPU a request, this ~15 alone); in a server it still measured ~0.1 ms of the
+    loop's CPU a request (benchmarks/server_loop.py, docs/server.md)."""
+    with anyio.CancelScope() as scope:
+        if sniffio.current_async_library() == "asyncio":
+            watch = asyncio.ensure_future(_cancel_on_hang_up(request, scope))
             try:
-                while (await request.receive())["type"] != "http.disconnect":
-                    pass  # a pipelined request's empty message: keep listening
-            except Exception:  # the server cannot say: serve the request as before
-                return
-            tg.cancel_scope.cancel()
+                return _json(await work())
+            finally:
+                watch.cancel()
+        failure: Exception | None = None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_cancel_on_hang_up, request, scope)
+            try:
+                answer = await work()
+            except Exception as exc:  # raised below, as itself: the task group would wrap it
+                failure = exc
+            tg.cancel_scope.cancel()  # the watch
+        if failure is not None:
+            raise failure
+        return _json(answer)
+    return Response(status_code=CLIENT_CLOSED)
 
-        tg.start_soon(hang_up_watch)
-        try:
-            answer = await work()
-        except Exception as exc:  # raised below, as itself: a task group would wrap it
-            failure = exc
-        tg.cancel_scope.cancel()
-    if failure is not None:
-        raise failure
-    return _json(answer) if answer is not None else Response(status_code=CLIENT_CLOSED)
+
+async def _cancel_on_hang_up(request: Request, scope: anyio.CancelScope) -> None:
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass  # a pipelined request's empty message: keep listening
+    except Exception:  # the server cannot say: the request is served as before
+        return
+    scope.cancel()
 
 
 def _mode(mode: str) -> Mode:
@@ -385,6 +399,7 @@ def create_app(
     max_body_bytes: int = 64 * 1024 * 1024,
     retry_after: int = 1,
     warmup: bool = True,
+    cancel_on_disconnect: bool = True,
 ) -> FastAPI:
     """Build the microservice over one or more in-process clients.
 
@@ -397,6 +412,9 @@ def create_app(
         max_body_bytes: larger request bodies are refused with 413.
         retry_after: seconds sent in ``Retry-After`` with every 503.
         warmup: run one tile through every mode before reporting ready.
+        cancel_on_disconnect: cancel a single-tile request whose client hangs up (queued, it is
+            never computed). It costs the event loop a task a request (docs/server.md);
+            a server whose clients never leave early may turn it off.
 
     The app must run its lifespan (every ASGI server does; in tests use
     ``async with app.router.lifespan_context(app)``). Its :class:`ServerState` is
@@ -405,7 +423,11 @@ def create_app(
     if isinstance(models, InProcessClient):
         models = {models.server_model.metadata().name: models}
     state = ServerState(
-        models, max_body_bytes=max_body_bytes, retry_after=retry_after, warmup=warmup
+        models,
+        max_body_bytes=max_body_bytes,
+        retry_after=retry_after,
+        warmup=warmup,
+        cancel_on_disconnect=cancel_on_disconnect,
     )
 
     @asynccontextmanager
@@ -463,6 +485,8 @@ def create_app(
             raise StarletteHTTPException(405, headers={"Allow": "GET"})
         checked, client = _mode(mode), state.client(model)
         work = partial(client.infer_async, body, checked, overload="reject")
+        if not state.cancel_on_disconnect:
+            return _json(await work())
         return await _unless_disconnected(request, work)
 
     # The single-tile route, every request's, is served by a plain Starlette route: FastAPI's
@@ -540,6 +564,8 @@ def create_app(
         invocation: InvocationRequest = parse_model(InvocationRequest, raw, "invocation")
         body = invocation.to_model_request().model_dump_json()
         work = partial(client.infer_async, body, INVOCATION_MODES[envelope.mode], overload="reject")
+        if not state.cancel_on_disconnect:
+            return _json(await work())
         return await _unless_disconnected(request, work)
 
     def readiness() -> JSONResponse:

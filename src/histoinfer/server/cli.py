@@ -108,6 +108,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="seconds in-flight requests get at shutdown (default: 30)",
     )
     add("--no-warmup", action="store_true", help="report ready without a warm-up pass")
+    add(
+        "--no-cancel-on-disconnect",
+        action="store_true",
+        help="compute a request whose client hung up (by default it is cancelled: saves the "
+        "device's time, costs the event loop ~0.1 ms a request)",
+    )
     add("--access-log", action="store_true", help="log every request (costs throughput)")
     add(
         "--log-level",
@@ -206,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
         retry_after=args.retry_after,
         warmup=not args.no_warmup,
+        cancel_on_disconnect=not args.no_cancel_on_disconnect,
     )
     state: ServerState = app.state.histoinfer
     state.on_loaded = freeze_startup_heap
