@@ -1,0 +1,36 @@
+"""``InFlight``, the calls in flight that ``close()`` waits for (clients/lifecycle.py)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+
+from histoinfer.clients import lifecycle
+from histoinfer.clients.lifecycle import InFlight
+from histoinfer.errors import ClientClosedError
+
+
+@pytest.mark.timeout(30)
+def test_close_says_what_it_waits_for_and_returns_when_the_last_call_ends(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regression: a call left in a loop stopped before it finished kept close() waiting
+    without a word."""
+    monkeypatch.setattr(lifecycle, "_WAIT_WARNING_S", 0.05)
+    calls, done = InFlight(), []
+    calls.enter()
+    calls.close()
+    with pytest.raises(ClientClosedError):
+        calls.enter()  # closed: no new call
+    waiter = threading.Thread(target=lambda: (calls.wait_idle(), done.append(True)))
+    with caplog.at_level(logging.WARNING, logger="histoinfer.client"):
+        waiter.start()
+        waiter.join(0.3)
+        assert waiter.is_alive() and not done  # still waiting for the call in flight
+        calls.exit()
+        waiter.join(10)
+    assert done == [True]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "histoinfer.client"]
+    assert warnings and "still waiting for 1 call(s) in flight" in warnings[0]
