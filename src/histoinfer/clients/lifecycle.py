@@ -8,6 +8,7 @@ Torch-free on purpose: ``HttpClient`` uses it too.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,6 +21,11 @@ import sniffio
 from ..errors import ClientClosedError
 
 __all__ = ["ClosingContext", "InFlight", "running_loop_here"]
+
+log = logging.getLogger("histoinfer.client")
+
+#: how long ``close()`` waits for calls in flight before it says so in the log (and again)
+_WAIT_WARNING_S = 30.0
 
 
 class InFlight:
@@ -79,8 +85,16 @@ class InFlight:
             self._when_done()
 
     def wait_idle(self) -> None:
+        """Until no call is in flight. Said in the log every :data:`_WAIT_WARNING_S` seconds
+        it takes: calls left in an event loop that was stopped or closed before they finished
+        never finish, and ``close()`` would otherwise wait for them without a word."""
         with self._idle:
-            self._idle.wait_for(lambda: self._active == 0)
+            while not self._idle.wait_for(lambda: self._active == 0, _WAIT_WARNING_S):
+                log.warning(
+                    "close() is still waiting for %d call(s) in flight; a call never ends if "
+                    "the event loop running it was stopped or closed before it finished",
+                    self._active,
+                )
 
     async def wait_idle_async(self) -> None:
         """:meth:`wait_idle` for ``aclose()``: cancellable, and this loop keeps running its own
