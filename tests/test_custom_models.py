@@ -164,6 +164,24 @@ async def test_a_tile_normalized_by_prepare_sample_is_served_on_every_path(
             assert outputs_close(answer, want)  # normalized alike, once
 
 
+class NormalizingPrepareOwnForward(NormalizingPrepare):
+    """A forward_batch of its own that hands the stack on: the built-in one normalizes it."""
+
+    def forward_batch(self, batch: torch.Tensor, mode: Mode) -> Any:
+        return super().forward_batch(batch, mode)
+
+
+def test_a_float_tile_for_an_overridden_forward_batch_is_refused_not_normalized_twice(
+    tiny_model: ServerModel,
+) -> None:
+    model = build(NormalizingPrepareOwnForward, tiny_model)
+    message = r"returned a float \(normalized\) tile, but forward_batch is overridden"
+    with InProcessClient(model) as dynamic, InProcessClient(model, dynamic_batching=False) as one:
+        for client in (dynamic, one):
+            with pytest.raises(ModelExecutionError, match=message):
+                client.predict(make_body(1))
+
+
 def test_a_tile_that_is_neither_pixels_nor_floats_is_refused_naming_the_contract(
     tiny_model: ServerModel,
 ) -> None:

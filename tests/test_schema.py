@@ -159,6 +159,22 @@ def test_a_body_with_many_problems_names_a_few_and_counts_the_rest(
     assert message.endswith(f"; and {count - NAMED_PROBLEMS} more")
 
 
+@pytest.mark.parametrize(("bad", "described"), [(20, True), (20_000, False)])
+def test_problems_past_a_lists_first_elements_are_still_counted_right(
+    bad: int, described: bool
+) -> None:
+    """The cut-down copy sees a list's first 1,000 elements only: problems past them are
+    described from pydantic's own list while that is cheap, else counted."""
+    with pytest.raises(InvalidRequestError) as info:
+        parse_request(body(bulk_rna=[1.0] * 1000 + ["x"] * bad))
+    message = str(info.value)
+    if described:
+        assert f"{bad} problems, including: field 'bulk_rna.1000'" in message
+        assert message.endswith(f"; and {bad - NAMED_PROBLEMS} more")
+    else:
+        assert message.endswith(f": {bad} problems (too many to describe)")
+
+
 def test_a_long_unknown_key_is_abbreviated() -> None:
     with pytest.raises(InvalidRequestError) as info:
         parse_request(body(**{"k" * 100_000: 1}))

@@ -283,6 +283,40 @@ async def test_a_request_whose_client_hangs_up_while_queued_is_never_computed(
         assert (await http.post(path, content=body)).status_code == 200
 
 
+async def test_a_server_that_answers_receive_at_once_does_not_make_the_watch_spin(tiny_model):
+    """An ASGI server whose receive() returns an empty request message without waiting (not
+    uvicorn's or hypercorn's way): the hang-up watch stops watching, and the request is served."""
+    app = create_app(fresh_client(tiny_model))
+    body = make_body(1).encode()
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:  # never waits: a loop over it would never yield
+        return messages.pop(0) if messages else {"type": "http.request", "body": b""}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/api/predict/h1",
+        "raw_path": b"/api/predict/h1",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-length", str(len(body)).encode()), (b"host", b"test")],
+        "client": ("127.0.0.1", 1),
+        "server": ("test", 80),
+    }
+    async with serving(app):
+        with anyio.fail_after(30):
+            await app(scope, receive, send)
+    assert sent[0]["status"] == 200
+
+
 async def test_ready_only_once_loaded_and_warm(tiny_model):
     loading = threading.Event()
 

@@ -542,7 +542,8 @@ def _error_from(response: httpx.Response) -> InferenceError:
         if isinstance(problem, dict) and isinstance(problem.get("detail"), str):
             return error_for_problem_type(problem.get("type"), status)(problem["detail"])
     return error_for_problem_type(None, status)(
-        f"HTTP {status} from {response.request.method} {response.request.url}: {_head(response)}"
+        f"HTTP {status} from {response.request.method} {_shown(response.request.url)}: "
+        f"{_head(response)}"
     )
 
 
@@ -551,7 +552,7 @@ def _unexpected(response: httpx.Response, expected: str) -> InferenceError:
     kind = response.headers.get("content-type", "no content type")
     request = response.request
     return InferenceError(
-        f"the server answered {request.method} {request.url} with HTTP "
+        f"the server answered {request.method} {_shown(request.url)} with HTTP "
         f"{response.status_code} ({kind}), not {expected}: {_head(response)}"
     )
 
@@ -567,6 +568,11 @@ def _snapshot(fields: dict[str, Any]) -> StatsSnapshot:
 
     histogram = {int(size): count for size, count in fields["batch_size_histogram"].items()}
     return StatsSnapshot(**{**fields, "batch_size_histogram": histogram})
+
+
+def _shown(url: httpx.URL) -> httpx.URL:
+    """``url`` as an error message may show it: without a user name and password."""
+    return url.copy_with(userinfo=b"") if url.userinfo else url
 
 
 def _text(response: httpx.Response) -> str:

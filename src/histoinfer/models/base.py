@@ -317,6 +317,14 @@ class ServerModel:
                 f"CPU, of uint8 pixels (the batch is normalized on the device) or of floats "
                 f"(normalized already), got {got} {where}"
             )
+        if tile.dtype != torch.uint8 and self._forward_batch_overridden():
+            # Its forward_batch gets the stacked tiles, and one that calls the built-in one
+            # would normalize them a second time: a wrong answer, not an error.
+            raise ModelExecutionError(
+                f"model {name!r}: prepare_sample returned a float (normalized) tile, but "
+                f"forward_batch is overridden and is given stacked uint8 pixels to normalize: "
+                f"return uint8 pixels from prepare_sample {where}"
+            )
         return tile
 
     def response_json(self, request: ModelRequest, output: SampleOutput, mode: Mode) -> str:

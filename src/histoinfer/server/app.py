@@ -299,12 +299,15 @@ async def _unless_disconnected(request: Request, work: Callable[[], Awaitable[st
 
 
 async def _cancel_on_hang_up(request: Request, scope: anyio.CancelScope) -> None:
+    """Cancel ``scope`` if the next ASGI message says the client left. Uvicorn and Hypercorn
+    send it only then; any other message (or a failing ``receive``) means the server cannot
+    say, and the request is served as before (a loop over ``receive`` could spin)."""
     try:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass  # a pipelined request's empty message: keep listening
-    except Exception:  # the server cannot say: the request is served as before
+        message = await request.receive()
+    except Exception:
         return
-    scope.cancel()
+    if message["type"] == "http.disconnect":
+        scope.cancel()
 
 
 def _mode(mode: str) -> Mode:
