@@ -171,22 +171,20 @@ class NormalizingPrepareOwnForward(NormalizingPrepare):
         return super().forward_batch(batch, mode)
 
 
-def test_a_float_tile_for_an_overridden_forward_batch_is_refused_not_normalized_twice(
-    tiny_model: ServerModel,
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        (Int64Prepare, r"must return a tensor \[3, 224, 224\] on the CPU, of uint8.*got int64"),
+        # the override gets the stack: one calling the built-in forward_batch would normalize
+        # the tiles twice, a wrong answer
+        (NormalizingPrepareOwnForward, r"float \(normalized\) tile, but forward_batch is overr"),
+    ],
+    ids=["int64", "float-for-an-overridden-forward_batch"],
+)
+def test_a_tile_the_pipeline_cannot_take_is_refused_naming_the_contract(
+    tiny_model: ServerModel, kind: type[ServerModel], message: str
 ) -> None:
-    model = build(NormalizingPrepareOwnForward, tiny_model)
-    message = r"returned a float \(normalized\) tile, but forward_batch is overridden"
-    with InProcessClient(model) as dynamic, InProcessClient(model, dynamic_batching=False) as one:
-        for client in (dynamic, one):
-            with pytest.raises(ModelExecutionError, match=message):
-                client.predict(make_body(1))
-
-
-def test_a_tile_that_is_neither_pixels_nor_floats_is_refused_naming_the_contract(
-    tiny_model: ServerModel,
-) -> None:
-    model = build(Int64Prepare, tiny_model)
-    message = r"prepare_sample must return a tensor \[3, 224, 224\] on the CPU, of uint8.*got int64"
+    model = build(kind, tiny_model)
     with InProcessClient(model) as dynamic, InProcessClient(model, dynamic_batching=False) as one:
         for client in (dynamic, one):
             with pytest.raises(ModelExecutionError, match=message):

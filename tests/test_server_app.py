@@ -98,6 +98,24 @@ async def test_body_over_the_limit_is_413(tiny_model):
         assert (await http.post("/api/embed/h1", content=make_body(2))).status_code == 200
 
 
+def post_scope(path: str, content_length: int) -> dict[str, Any]:
+    """The ASGI scope of a POST to ``path``, as a server passes it to the app."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-length", str(content_length).encode()), (b"host", b"test")],
+        "client": ("127.0.0.1", 1),
+        "server": ("test", 80),
+    }
+
+
 async def leave_mid_body(app: Any, path: str) -> list[dict[str, Any]]:
     """POST to ``path`` as a client that disconnects after part of its body; what was sent."""
     messages = [
@@ -112,21 +130,7 @@ async def leave_mid_body(app: Any, path: str) -> list[dict[str, Any]]:
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"content-length", b"1000"), (b"host", b"test")],
-        "client": ("127.0.0.1", 1),
-        "server": ("test", 80),
-    }
-    await app(scope, receive, send)
+    await app(post_scope(path, 1000), receive, send)
     return sent
 
 
@@ -210,21 +214,7 @@ async def post_then_hang_up(app: Any, path: str, body: bytes, hang_up: anyio.Eve
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"content-length", str(len(body)).encode()), (b"host", b"test")],
-        "client": ("127.0.0.1", 1),
-        "server": ("test", 80),
-    }
-    await app(scope, receive, send)
+    await app(post_scope(path, len(body)), receive, send)
     return sent
 
 
@@ -297,23 +287,9 @@ async def test_a_server_that_answers_receive_at_once_does_not_make_the_watch_spi
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/api/predict/h1",
-        "raw_path": b"/api/predict/h1",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"content-length", str(len(body)).encode()), (b"host", b"test")],
-        "client": ("127.0.0.1", 1),
-        "server": ("test", 80),
-    }
     async with serving(app):
         with anyio.fail_after(30):
-            await app(scope, receive, send)
+            await app(post_scope("/api/predict/h1", len(body)), receive, send)
     assert sent[0]["status"] == 200
 
 
