@@ -462,6 +462,32 @@ async def test_a_deadline_past_on_arrival_is_not_called_a_full_queue(
 
 
 @pytest.mark.parametrize("dynamic_batching", [True, False], ids=["dynamic", "batch-size-1"])
+async def test_a_deadline_past_on_arrival_beside_a_busy_device_is_worded_alike(
+    tiny_model: ServerModel, dynamic_batching: bool
+) -> None:
+    """With the device busy the body takes the decode stage, whose error said 'still waiting to
+    be decoded' for a deadline that had passed before it waited for anything."""
+    model, watch, gate = gated_model(tiny_model)
+    busy = InProcessClient(model, dynamic_batching=dynamic_batching)
+    late = InProcessClient(model, request_timeout=1e-9, dynamic_batching=dynamic_batching)
+    results: dict[int, Any] = {}
+    with busy, late:
+        try:
+            with anyio.fail_after(30):
+                async with anyio.create_task_group() as tg:
+                    start_calls(tg, busy, [0], results)
+                    await wait_until(lambda: watch.calls == 1)  # the device is held
+                    with pytest.raises(DeadlineExceededError) as info:
+                        await late.predict_async(make_body(1))
+                    gate.set()
+        finally:
+            gate.set()
+    message = str(info.value)
+    assert "expired before the request was queued" in message, message
+    assert outputs_close(results[0], expected(tiny_model, [0])[0])
+
+
+@pytest.mark.parametrize("dynamic_batching", [True, False], ids=["dynamic", "batch-size-1"])
 async def test_a_pass_whose_caller_left_during_it_is_counted_when_it_ends(
     tiny_model: ServerModel, dynamic_batching: bool
 ) -> None:

@@ -677,8 +677,11 @@ class InProcessClient(ClosingContext):
         """``body`` through the decode stage. Not started once the call's deadline is past: its
         tile could no longer reach the model in time, and under overload, when deadlines pass,
         the decoders' CPU is what every other call is waiting for."""
+        remaining = slot.remaining()
+        if remaining is not None and remaining <= 0:  # already, before any wait: say so
+            raise self._deadline_exceeded(mode, _EXPIRED_ON_ARRIVAL)
         try:
-            return await state.decoder().submit((body, mode), timeout=slot.remaining())
+            return await state.decoder().submit((body, mode), timeout=remaining)
         except DeadlineExceededError:
             raise self._deadline_exceeded(mode, "it was still waiting to be decoded") from None
 
@@ -707,7 +710,10 @@ class InProcessClient(ClosingContext):
                 return await self._forward_unbatched(_Job(body=body), mode, limiter, start_by)
             except _TooBigHere:  # a big image: decoded as any other
                 pass
-        with anyio.move_on_after(_remaining(start_by)) as waited:
+        remaining = _remaining(start_by)
+        if remaining is not None and remaining <= 0:  # already, before any wait: say so
+            raise self._deadline_exceeded(mode, _EXPIRED_ON_ARRIVAL)
+        with anyio.move_on_after(remaining) as waited:
             [decoded] = await anyio.to_thread.run_sync(
                 _decode_chunk, self.server_model, self._cores, [(body, mode)], limiter=limiter
             )
@@ -726,7 +732,7 @@ class InProcessClient(ClosingContext):
         # as a dynamic client's does (clients/cores.py).
         loaded = partial(_decoding, limiter)
         if start_by is not None and time.perf_counter() >= start_by:
-            raise self._deadline_exceeded(mode, "it expired before the request was queued")
+            raise self._deadline_exceeded(mode, _EXPIRED_ON_ARRIVAL)
         future = self._device_thread.submit(
             _timed, _forward_jobs, self.server_model, [job], mode, self._cores, loaded
         )
@@ -942,6 +948,10 @@ def _default_prepare_threads(model: ServerModel) -> int:
         return cores if shards.available(model, threads) else max(1, cores - threads)
     return max(2, cores)
 
+
+#: a deadline's error detail when it passed before the call waited for anything (as the
+#: scheduler words it: batching/scheduler.py)
+_EXPIRED_ON_ARRIVAL = "it expired before the request was queued"
 
 #: what a call does when its loop's queue is full: wait for room, or be refused at once
 Overload = Literal["wait", "reject"]
