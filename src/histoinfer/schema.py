@@ -207,8 +207,6 @@ def _first_errors(model: type[BaseModel], raw: object) -> list[Any] | None:
         model.model_validate_json(json.dumps(cut))
     except ValidationError as exc:
         return exc.errors(include_url=False)[:NAMED_PROBLEMS]
-    except ValueError:  # json.dumps refused a value (cannot happen for parsed JSON)
-        return None
     return None
 
 

@@ -678,8 +678,7 @@ class InProcessClient(ClosingContext):
         tile could no longer reach the model in time, and under overload, when deadlines pass,
         the decoders' CPU is what every other call is waiting for."""
         remaining = slot.remaining()
-        if remaining is not None and remaining <= 0:  # already, before any wait: say so
-            raise self._deadline_exceeded(mode, _EXPIRED_ON_ARRIVAL)
+        self._check_not_expired(mode, remaining)
         try:
             return await state.decoder().submit((body, mode), timeout=remaining)
         except DeadlineExceededError:
@@ -711,8 +710,7 @@ class InProcessClient(ClosingContext):
             except _TooBigHere:  # a big image: decoded as any other
                 pass
         remaining = _remaining(start_by)
-        if remaining is not None and remaining <= 0:  # already, before any wait: say so
-            raise self._deadline_exceeded(mode, _EXPIRED_ON_ARRIVAL)
+        self._check_not_expired(mode, remaining)
         with anyio.move_on_after(remaining) as waited:
             [decoded] = await anyio.to_thread.run_sync(
                 _decode_chunk, self.server_model, self._cores, [(body, mode)], limiter=limiter
@@ -731,8 +729,7 @@ class InProcessClient(ClosingContext):
         # Loaded while other calls are being decoded: then the pass leaves them their cores,
         # as a dynamic client's does (clients/cores.py).
         loaded = partial(_decoding, limiter)
-        if start_by is not None and time.perf_counter() >= start_by:
-            raise self._deadline_exceeded(mode, _EXPIRED_ON_ARRIVAL)
+        self._check_not_expired(mode, _remaining(start_by))
         future = self._device_thread.submit(
             _timed, _forward_jobs, self.server_model, [job], mode, self._cores, loaded
         )
@@ -753,6 +750,12 @@ class InProcessClient(ClosingContext):
             raise result  # a lone body refused: nothing ran
         self._stats[mode].record_batch(1, [0.0], ran_s)
         return job, result
+
+    def _check_not_expired(self, mode: Mode, remaining: float | None) -> None:
+        """A deadline passed before the call waited for anything here is said to have (as the
+        scheduler words it), not blamed on the wait that would follow."""
+        if remaining is not None and remaining <= 0:
+            raise self._deadline_exceeded(mode, _EXPIRED_ON_ARRIVAL)
 
     def _deadline_exceeded(self, mode: Mode, detail: str) -> DeadlineExceededError:
         """As a dynamic call's scheduler words it and counts it."""

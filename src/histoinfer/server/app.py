@@ -475,6 +475,16 @@ def create_app(
         snapshots = state.client(model).stats()
         return JSONResponse({mode: snapshot.as_dict() for mode, snapshot in snapshots.items()})
 
+    async def answer(
+        request: Request, client: InProcessClient, body: str | bytes, mode: Mode
+    ) -> Response:
+        """One tile's answer: refused at once by a full queue (SPEC §4), and cancelled if its
+        client hangs up (unless the app was told not to)."""
+        work = partial(client.infer_async, body, mode, overload="reject")
+        if not state.cancel_on_disconnect:
+            return _json(await work())
+        return await _unless_disconnected(request, work)
+
     async def infer(request: Request) -> Response:
         """One tile through ``mode`` (predict, embed or predict_with_embedding).
 
@@ -487,10 +497,7 @@ def create_app(
         if mode == "metadata":  # the metadata route, with the wrong method: not a mode
             raise StarletteHTTPException(405, headers={"Allow": "GET"})
         checked, client = _mode(mode), state.client(model)
-        work = partial(client.infer_async, body, checked, overload="reject")
-        if not state.cancel_on_disconnect:
-            return _json(await work())
-        return await _unless_disconnected(request, work)
+        return await answer(request, client, body, checked)
 
     # The single-tile route, every request's, is served by a plain Starlette route: FastAPI's
     # own handling of a route (its dependency solving and request/response wrappers) cost
@@ -566,10 +573,7 @@ def create_app(
             return _json(client.metadata())
         invocation: InvocationRequest = parse_model(InvocationRequest, raw, "invocation")
         body = invocation.to_model_request().model_dump_json()
-        work = partial(client.infer_async, body, INVOCATION_MODES[envelope.mode], overload="reject")
-        if not state.cancel_on_disconnect:
-            return _json(await work())
-        return await _unless_disconnected(request, work)
+        return await answer(request, client, body, INVOCATION_MODES[envelope.mode])
 
     def readiness() -> JSONResponse:
         status = "draining" if state.draining else "ready" if state.ready else "not ready"
