@@ -358,6 +358,58 @@ def test_batches_are_chunked_by_max_batch_size(
         assert outputs_close(responses[i], client.predict(bodies[i]))
 
 
+@pytest.mark.parametrize("decode_threads", [1, 2])
+@pytest.mark.parametrize("stop_at", [2, 4, 5])
+def test_a_batch_stops_where_its_check_cancelled_raises(
+    monkeypatch: pytest.MonkeyPatch, model: CountingModel, decode_threads: int, stop_at: int
+) -> None:
+    """``check_cancelled`` runs in the caller's thread before every ``max_batch_size`` bodies
+    are taken from decoding, and before each pass; what it raises leaves the call there:
+    bodies not yet being decoded never are, and no later pass runs (the server stops a
+    ``/batch`` whose client left)."""
+    decoded: list[int] = []
+    past_first_slice = threading.Event()  # bodies 4+ wait, so the pool cannot run ahead
+    real_prepare = inprocess._prepare
+
+    def counting_prepare(*args: Any, **kwargs: Any) -> Any:
+        if args[3] >= 4:
+            assert past_first_slice.wait(20), "never released"
+        prepared = real_prepare(*args, **kwargs)
+        decoded.append(args[3])
+        return prepared
+
+    monkeypatch.setattr(inprocess, "_prepare", counting_prepare)
+    checks = itertools.count(1)
+
+    class Left(Exception):
+        pass
+
+    def check_cancelled() -> None:
+        if next(checks) == stop_at:
+            past_first_slice.set()
+            raise Left
+
+    if stop_at > 2:
+        past_first_slice.set()
+    bodies = [make_body(i) for i in range(10)]  # 3 slices to take, then 3 passes
+    with InProcessClient(
+        model, max_batch_size=4, dynamic_batching=False, batch_decode_threads=decode_threads
+    ) as client:
+        with pytest.raises(Left):
+            client.infer_batch(bodies, "predict", check_cancelled=check_cancelled)
+        if stop_at == 2:  # before the second slice: the first slice, and what the pool had
+            # started (one body a thread, held above), are decoded; nothing computed
+            started = 4 if decode_threads == 1 else 4 + decode_threads
+            assert set(range(4)) <= set(decoded) <= set(range(started))
+            assert model.calls == []
+        else:  # before the first or second pass: every body decoded, passes before it run
+            assert sorted(decoded) == list(range(10))
+            assert model.sizes() == [4] * (stop_at - 4)
+        model.reset()
+        assert len(client.infer_batch(bodies, "predict", check_cancelled=lambda: None)) == 10
+        assert model.sizes() == [4, 4, 2]
+
+
 def test_an_empty_batch_computes_nothing(client: InProcessClient, model: CountingModel) -> None:
     assert client.predict_batch([]) == []
     assert model.calls == []

@@ -14,6 +14,7 @@ from typing import Any
 import anyio
 import httpx
 import pytest
+from concurrency_helpers import gated_model
 from helpers import make_body, outputs_close, request_dict, serving
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -271,6 +272,39 @@ async def test_a_request_whose_client_hangs_up_while_queued_is_never_computed(
             assert (after.samples - before.samples, after.cancelled - before.cancelled) == (2, 0)
         # the next request is served as ever
         assert (await http.post(path, content=body)).status_code == 200
+
+
+@pytest.mark.parametrize("cancel", [True, False], ids=["cancelled", "opted-out"])
+async def test_a_batch_whose_client_hangs_up_stops_at_its_next_pass(tiny_model, cancel):
+    """Regression: a ``/batch`` request ran every pass of its batch after its client left (a
+    client that timed out and retried doubled the load). Now the batch stops before its next
+    pass; opted out, it runs to its end."""
+    model, watch, gate = gated_model(tiny_model)
+    client = fresh_client(model)  # 8 tiles a pass: 24 bodies are 3 passes
+    app = create_app(client, warmup=False, cancel_on_disconnect=cancel)
+    body = json.dumps([make_body(i) for i in range(24)]).encode()
+    async with serving(app) as http:
+        hang_up = anyio.Event()
+        sent: list[Any] = []
+
+        async def leaver() -> None:
+            sent.extend(await post_then_hang_up(app, "/api/predict/h1/batch", body, hang_up))
+
+        try:
+            with anyio.fail_after(30):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(leaver)
+                    while watch.calls < 1:  # the first pass, held at the gate
+                        await anyio.sleep(0.01)
+                    hang_up.set()
+                    await anyio.wait_all_tasks_blocked()  # the watch has seen the hang-up
+                    gate.set()
+        finally:
+            gate.set()
+        assert sent[0]["status"] == (499 if cancel else 200)
+        assert watch.sizes == ([8] if cancel else [8, 8, 8])
+        r = await http.post("/api/predict/h1/batch", content=body)  # the next one, as ever
+        assert r.status_code == 200 and len(r.json()) == 24
 
 
 async def test_a_server_that_answers_receive_at_once_does_not_make_the_watch_spin(tiny_model):

@@ -19,9 +19,10 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypeVar, get_args
 
 import anyio
+import anyio.from_thread
 import anyio.to_thread
 import pydantic_core
 import sniffio
@@ -84,6 +85,7 @@ STR_KEY = "$str"
 NDJSON = "application/x-ndjson"
 
 _JSON = "application/json"
+_Answer = TypeVar("_Answer")  # what a route's work gives: one response's JSON, or a list of them
 # Past the limit the rest of the body is read and dropped (up to this much, for up to this
 # long) before answering 413: a client still writing would otherwise see a connection reset
 # instead of the 413. The time bound: a client that declares more than it sends would
@@ -265,8 +267,12 @@ async def _discard(request: Request, already: int) -> None:
 CLIENT_CLOSED = 499
 
 
-async def _unless_disconnected(request: Request, work: Callable[[], Awaitable[str]]) -> Response:
-    """``work()``'s answer; or, if the client hangs up first, ``work()`` cancelled: a request
+async def _unless_disconnected(
+    request: Request,
+    work: Callable[[], Awaitable[_Answer]],
+    respond: Callable[[_Answer], Response],
+) -> Response:
+    """``respond(work())``; or, if the client hangs up first, ``work()`` cancelled: a request
     that is still queued then leaves its queue before dispatch (SPEC §5), one in a forward pass
     leaves its batch undisturbed. Uvicorn and Hypercorn do not cancel a handler whose client
     left, so without this every abandoned request was decoded and computed, and live callers
@@ -281,7 +287,7 @@ async def _unless_disconnected(request: Request, work: Callable[[], Awaitable[st
         if sniffio.current_async_library() == "asyncio":
             watch = asyncio.ensure_future(_cancel_on_hang_up(request, scope))
             try:
-                return _json(await work())
+                return respond(await work())
             finally:
                 watch.cancel()
         failure: Exception | None = None
@@ -294,7 +300,7 @@ async def _unless_disconnected(request: Request, work: Callable[[], Awaitable[st
             tg.cancel_scope.cancel()  # the watch
         if failure is not None:
             raise failure
-        return _json(answer)
+        return respond(answer)
     return Response(status_code=CLIENT_CLOSED)
 
 
@@ -361,6 +367,14 @@ def _json(text: str) -> Response:
     return Response(content=text, media_type=_JSON)
 
 
+def _json_list(responses: list[str]) -> Response:
+    return _json("[" + ",".join(responses) + "]")
+
+
+def _ndjson(responses: list[str]) -> Response:
+    return Response(content="".join(r + "\n" for r in responses), media_type=NDJSON)
+
+
 def _docs(*statuses: int) -> dict[int | str, dict[str, Any]]:
     schema = Problem.model_json_schema()
     return {
@@ -415,9 +429,10 @@ def create_app(
         max_body_bytes: larger request bodies are refused with 413.
         retry_after: seconds sent in ``Retry-After`` with every 503.
         warmup: run one tile through every mode before reporting ready.
-        cancel_on_disconnect: cancel a single-tile request whose client hangs up (queued, it is
-            never computed). It costs the event loop a task a request (docs/server.md);
-            a server whose clients never leave early may turn it off.
+        cancel_on_disconnect: cancel a request whose client hangs up (a queued tile is never
+            computed; a ``/batch`` stops before its next pass). It costs the event loop a task
+            a request (docs/server.md); a server whose clients never leave early may turn it
+            off.
 
     The app must run its lifespan (every ASGI server does; in tests use
     ``async with app.router.lifespan_context(app)``). Its :class:`ServerState` is
@@ -481,9 +496,16 @@ def create_app(
         """One tile's answer: refused at once by a full queue (SPEC §4), and cancelled if its
         client hangs up (unless the app was told not to)."""
         work = partial(client.infer_async, body, mode, overload="reject")
+        return await watched(request, work, _json)
+
+    async def watched(
+        request: Request,
+        work: Callable[[], Awaitable[_Answer]],
+        respond: Callable[[_Answer], Response],
+    ) -> Response:
         if not state.cancel_on_disconnect:
-            return _json(await work())
-        return await _unless_disconnected(request, work)
+            return respond(await work())
+        return await _unless_disconnected(request, work, respond)
 
     async def infer(request: Request) -> Response:
         """One tile through ``mode`` (predict, embed or predict_with_embedding).
@@ -546,10 +568,15 @@ def create_app(
         checked, client = _mode(mode), state.client(model)
         verbatim = request.headers.get("content-type", "").startswith(BATCH_BODIES_JSON)
         bodies = _batch_bodies(raw, verbatim)
-        responses = await anyio.to_thread.run_sync(client.infer_batch, bodies, checked)
-        if NDJSON in request.headers.get("accept", ""):
-            return Response(content="".join(r + "\n" for r in responses), media_type=NDJSON)
-        return _json("[" + ",".join(responses) + "]")
+        # A client that hangs up stops the batch at its next slice or pass: the worker thread
+        # checks its host task's cancellation between them.
+        run = partial(
+            client.infer_batch, bodies, checked, check_cancelled=anyio.from_thread.check_cancelled
+        )
+        ndjson = NDJSON in request.headers.get("accept", "")
+        return await watched(
+            request, partial(anyio.to_thread.run_sync, run), _ndjson if ndjson else _json_list
+        )
 
     @app.post(
         "/invocations",
