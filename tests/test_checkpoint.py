@@ -321,8 +321,16 @@ def test_a_builtin_key_taken_is_refused_at_the_decorator() -> None:
 # -- AOTInductor ----------------------------------------------------------------------------
 
 
+# AOTInductor's compile uses torch.jit.script_method internally, which torch 2.13 deprecates:
+# torch's own warning, nothing these tests or the library call.
+_TORCH_OWN_JIT_WARNING = pytest.mark.filterwarnings(
+    "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"
+)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+@_TORCH_OWN_JIT_WARNING
 def test_aoti_package_matches_the_export_program(tmp_path: Path) -> None:
     export = export_reference_h1("tiny", tmp_path, aoti=True)
     assert export.aoti_checkpoint is not None and export.aoti_checkpoint.is_file()
@@ -438,6 +446,7 @@ class _ConvHead(nn.Module):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@_TORCH_OWN_JIT_WARNING
 def test_a_bfloat16_aoti_package_that_records_its_dtype_gets_bfloat16(tmp_path: Path) -> None:
     import torch._inductor as inductor
 
