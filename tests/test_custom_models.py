@@ -71,6 +71,13 @@ class NormalizingPrepare(H1ServerModel):
         return (super().prepare_sample(request).float() / 255 - mean) / std
 
 
+class NormalizingPrepareOwnForward(NormalizingPrepare):
+    """A forward_batch of its own that hands the batch on (floats: normalized already)."""
+
+    def forward_batch(self, batch: torch.Tensor, mode: Mode) -> Any:
+        return super().forward_batch(batch, mode)
+
+
 class Int64Prepare(H1ServerModel):
     def prepare_sample(self, request: ModelRequest) -> torch.Tensor:  # type: ignore[override]
         return super().prepare_sample(request).long()
@@ -140,12 +147,15 @@ async def test_a_subclass_failing_fails_its_own_request_alike_everywhere(
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("kind", ["NormalizingPrepare", "NormalizingPrepareOwnForward"])
 async def test_a_tile_normalized_by_prepare_sample_is_served_on_every_path(
-    tiny_model: ServerModel, reference: Any
+    tiny_model: ServerModel, reference: Any, kind: str
 ) -> None:
     """Regression: a float tile was refused (normalization had moved into the batch), so a
-    subclass written as SPEC §5 has it failed every request."""
-    model = build(NormalizingPrepare, tiny_model)
+    subclass written as SPEC §5 has it failed every request; then it was refused beside a
+    forward_batch of its own (SPEC §2.4), which now gets the float batch, and the built-in
+    forward_batch takes a float batch as normalized."""
+    model = build(globals()[kind], tiny_model)
     bodies = [make_body(i) for i in range(6)]
     expected = [reference.predict(b) for b in bodies]
     with InProcessClient(model) as dynamic, InProcessClient(model, dynamic_batching=False) as one:
@@ -164,22 +174,10 @@ async def test_a_tile_normalized_by_prepare_sample_is_served_on_every_path(
             assert outputs_close(answer, want)  # normalized alike, once
 
 
-class NormalizingPrepareOwnForward(NormalizingPrepare):
-    """A forward_batch of its own that hands the stack on: the built-in one normalizes it."""
-
-    def forward_batch(self, batch: torch.Tensor, mode: Mode) -> Any:
-        return super().forward_batch(batch, mode)
-
-
 @pytest.mark.parametrize(
     ("kind", "message"),
-    [
-        (Int64Prepare, r"must return a tensor \[3, 224, 224\] on the CPU, of uint8.*got int64"),
-        # the override gets the stack: one calling the built-in forward_batch would normalize
-        # the tiles twice, a wrong answer
-        (NormalizingPrepareOwnForward, r"float \(normalized\) tile, but forward_batch is overr"),
-    ],
-    ids=["int64", "float-for-an-overridden-forward_batch"],
+    [(Int64Prepare, r"must return a tensor \[3, 224, 224\] on the CPU, of uint8.*got int64")],
+    ids=["int64"],
 )
 def test_a_tile_the_pipeline_cannot_take_is_refused_naming_the_contract(
     tiny_model: ServerModel, kind: type[ServerModel], message: str

@@ -6,13 +6,22 @@ from collections import Counter
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from .checkpoint import CheckpointError
 
 __all__ = ["ASSETS_FILE", "Interpolation", "ModelAssets", "load_assets"]
 
 ASSETS_FILE = "model.json"
+_HINT_255 = ": in 0-255 units? divide them by 255"
 Interpolation = Literal["nearest", "bilinear", "bicubic", "lanczos", "box", "hamming"]
 
 
@@ -29,7 +38,10 @@ class ModelAssets(BaseModel):
     mean: list[float] = Field(min_length=3, max_length=3)
     std: list[float] = Field(min_length=3, max_length=3)
     interpolation: Interpolation = "bilinear"
-    gene_names: list[str]
+    #: the predicted genes, in output order; or, in model.json, the name of a file in the
+    #: assets directory with one gene name a line. Empty for a model that predicts nothing
+    #: (it serves ``embed`` alone).
+    gene_names: list[str] = Field(default_factory=list)
     embedding_size: int = Field(gt=0)
     accepts_bulk_rna: bool = False
     #: False for seeded, untrained weights (the reference checkpoints write it); a user's own
@@ -38,20 +50,58 @@ class ModelAssets(BaseModel):
     description: str = ""
     architecture: dict[str, int | float | str] = Field(default_factory=dict)
 
+    _directory: Path | None = PrivateAttr(default=None)
+
+    @property
+    def directory(self) -> Path | None:
+        """The assets directory this was loaded from (for a subclass's own files), if any."""
+        return self._directory
+
+    @field_validator("mean")
+    @classmethod
+    def _mean_of_unit_pixels(cls, mean: list[float]) -> list[float]:
+        # Pixels are scaled to [0, 1] before normalization: a mean in 0-255 units (mmcv's
+        # [123.675, ...]) would make every tile nearly the same constant, silently.
+        if any(not 0.0 <= m <= 1.0 for m in mean):
+            raise ValueError(
+                f"every mean must be in [0, 1] (pixels are scaled to [0, 1] before "
+                f"normalization), got {mean}{_HINT_255 if max(mean) > 1 else ''}"
+            )
+        return mean
+
     @field_validator("std")
     @classmethod
     def _std_positive(cls, std: list[float]) -> list[float]:
         # Normalization divides by std: a zero would turn every tile into inf/NaN.
         if any(not 0.0 < s < float("inf") for s in std):
             raise ValueError(f"every std must be a positive finite number, got {std}")
+        if any(s > 1.0 for s in std):  # as the mean: a std in 0-255 units
+            raise ValueError(
+                f"every std must be at most 1 (pixels are scaled to [0, 1] before "
+                f"normalization), got {std}{_HINT_255}"
+            )
         return std
+
+    @field_validator("gene_names", mode="before")
+    @classmethod
+    def _genes_from_file(cls, names: object, info: ValidationInfo) -> object:
+        """A string names a gene list in the assets directory: one gene a line."""
+        if not isinstance(names, str):
+            return names
+        directory = (info.context or {}).get("directory")
+        if directory is None:
+            raise ValueError(f"gene list {names!r}: a file name needs an assets directory")
+        path = Path(directory) / names
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"gene list {str(path)!r} could not be read: {exc}") from None
+        return [line.strip() for line in text.splitlines() if line.strip()]
 
     @field_validator("gene_names")
     @classmethod
     def _genes_named_once(cls, names: list[str]) -> list[str]:
         # Outputs are looked up by gene name: a blank or repeated name makes that ambiguous.
-        if not names:
-            raise ValueError("at least one gene name is needed")
         if any(not n.strip() for n in names):
             raise ValueError("gene names must not be blank")
         repeated = sorted(name for name, count in Counter(names).items() if count > 1)
@@ -72,9 +122,11 @@ def load_assets(assets_dir: str | Path) -> ModelAssets:
     except OSError as exc:
         raise CheckpointError(f"model assets {path} could not be read: {exc.strerror}") from None
     try:
-        return ModelAssets.model_validate_json(data)
+        assets = ModelAssets.model_validate_json(data, context={"directory": path.parent})
     except ValidationError as exc:
         problems = "; ".join(
             f"{'.'.join(map(str, e['loc'])) or 'file'}: {e['msg']}" for e in exc.errors()
         )
         raise CheckpointError(f"model assets {path} are invalid: {problems}") from None
+    assets._directory = path.parent
+    return assets

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -24,7 +25,7 @@ from ..errors import (
     UnsupportedModeError,
 )
 from ..schema import MODES, Mode, ModelMetadata, ModelRequest, ModelResponse
-from .assets import ModelAssets, load_assets
+from .assets import ASSETS_FILE, ModelAssets, load_assets
 from .buffers import InputBuffer
 from .checkpoint import (
     CheckpointError,
@@ -81,6 +82,13 @@ def _pixels(tiles: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
 
 
 log = logging.getLogger(__name__)
+
+# Why a program that took the probe's 2 tiles fails on 1: usually exported for a fixed batch.
+_LONE_PROBE_HINT = (
+    "; a lone request, and each part of a sharded pass, is one tile: export the program with "
+    "a dynamic batch dimension from 1 (dynamic_shapes={'x': {0: torch.export.Dim('batch', "
+    "min=1, max=4096)}}, docs/checkpoints.md) and keep that dimension in its outputs"
+)
 #: Where loading an untrained checkpoint is announced, once a process for each (its own name:
 #: a harness that reports it already can silence it alone).
 untrained_log = logging.getLogger("histoinfer.untrained")
@@ -181,6 +189,15 @@ class ServerModel:
     def __init__(self, checkpoint: LoadedCheckpoint, assets: ModelAssets, device: str = "cpu"):
         self.checkpoint = checkpoint
         self.assets = assets
+        predicting = [m for m in self.modes if m != "embed"]
+        if predicting and not assets.gene_names:
+            named = assets.directory / ASSETS_FILE if assets.directory else ASSETS_FILE
+            raise CheckpointError(
+                f"model assets {named} are invalid for {type(self).__name__}: gene_names is "
+                f"empty, but it serves {', '.join(predicting)}: name the genes (a list, or a "
+                f"gene list file in the assets directory), or serve embed alone "
+                f"(modes = ('embed',))"
+            )
         self.device = torch.device(device)
         mean = torch.tensor(assets.mean, dtype=torch.float32).view(1, 3, 1, 1)
         std = torch.tensor(assets.std, dtype=torch.float32).view(1, 3, 1, 1)
@@ -205,6 +222,7 @@ class ServerModel:
         # request sits in its batch, for its error messages (prepared_tile).
         prepare = type(self).prepare_sample
         self._own_prepare = prepare is ServerModel.prepare_sample
+        self._own_postprocess = type(self).postprocess is ServerModel.postprocess
         # A parameter named so, not a bare **kwargs: a decorator's (*args, **kwargs) wrapper
         # would take it, and the function inside it would not.
         parameters = inspect.signature(self.prepare_sample).parameters
@@ -317,14 +335,6 @@ class ServerModel:
                 f"CPU, of uint8 pixels (the batch is normalized on the device) or of floats "
                 f"(normalized already), got {got} {where}"
             )
-        if tile.dtype != torch.uint8 and self._forward_batch_overridden():
-            # Its forward_batch gets the stacked tiles, and one that calls the built-in one
-            # would normalize them a second time: a wrong answer, not an error.
-            raise ModelExecutionError(
-                f"model {name!r}: prepare_sample returned a float (normalized) tile, but "
-                f"forward_batch is overridden and is given stacked uint8 pixels to normalize: "
-                f"return uint8 pixels from prepare_sample {where}"
-            )
         return tile
 
     def response_json(self, request: ModelRequest, output: SampleOutput, mode: Mode) -> str:
@@ -332,7 +342,10 @@ class ServerModel:
         than an :class:`InferenceError` fails its own request with a
         :class:`ModelExecutionError`, the same on every path."""
         try:
-            return self.postprocess(request, output, mode).model_dump_json()
+            response = self.postprocess(request, output, mode)
+            if not self._own_postprocess:
+                self._check_response(response, request)
+            return response.model_dump_json()
         except InferenceError:
             raise
         except Exception as exc:
@@ -340,13 +353,28 @@ class ServerModel:
                 f"model {self.assets.name!r}: postprocess failed for {request.where()}: {exc!r}"
             ) from exc
 
+    def _check_response(self, response: object, request: ModelRequest) -> None:
+        """What a subclass's ``postprocess`` returned: a ``ModelResponse`` whose values JSON can
+        carry (a NaN it computed would be written as null, breaking the response schema)."""
+        if not isinstance(response, ModelResponse):
+            raise TypeError(
+                f"postprocess must return a ModelResponse, got {type(response).__name__}"
+            )
+        values = [response.output, response.embedding or ()]
+        if not all(math.isfinite(v) for vector in values for v in vector):
+            raise non_finite_error(self.assets.name, request.where())
+
     def forward_batch(self, batch: torch.Tensor, mode: Mode) -> BatchOutput:
-        """Run a stacked ``uint8`` batch ``[B, 3, T, T]`` through the model on its device."""
+        """Run a stacked batch ``[B, 3, T, T]`` through the model on its device: ``uint8``
+        pixels, normalized here with ``model.json``'s mean and std, or floats, taken as
+        normalized already (what a ``prepare_sample`` that normalizes gives: SPEC §5)."""
         # inference_mode is thread-local, and forward passes run on reused worker threads.
-        with torch.inference_mode(), self._input_buffer.lease(batch, self.device) as x:
-            # Normalized into a fresh or leased float tensor: never in place in the caller's
-            # batch (a float batch would otherwise come back as its own normalized self).
-            return self._run(x.mul_(self._scale).add_(self._shift), mode)
+        with torch.inference_mode():
+            if batch.is_floating_point():
+                return self._run(batch.to(self.device, torch.float32), mode)
+            with self._input_buffer.lease(batch, self.device) as x:
+                # Normalized into a fresh or leased float tensor, never in the caller's batch.
+                return self._run(x.mul_(self._scale).add_(self._shift), mode)
 
     def forward_tiles(self, tiles: Sequence[torch.Tensor], mode: Mode) -> BatchOutput:
         """Run ``uint8`` tiles ``[3, T, T]`` as one batch: ``forward_batch`` of their stack.
@@ -361,9 +389,9 @@ class ServerModel:
         instance that overrides ``forward_batch`` gets it called with the stacked batch, as
         before (contiguous).
         """
+        if any(tile.dtype != torch.uint8 for tile in tiles):
+            return self.forward_batch(self._normalized_stack(tiles), mode)
         overridden = self._forward_batch_overridden()
-        if not overridden and any(tile.dtype != torch.uint8 for tile in tiles):
-            return self._forward_normalized(tiles, mode)
         if self.device.type != "cpu" or overridden or not tiles:
             # The built-in forward_batch on an accelerator makes the batch contiguous there.
             keep = self.device.type != "cpu" and not overridden
@@ -399,17 +427,18 @@ class ServerModel:
                 row.copy_(tile.view(h, w * c)).mul_(self._row_scale).add_(self._row_shift)
             return self._run(rows.view(n, h, w, c).permute(0, 3, 1, 2), mode)
 
-    def _forward_normalized(self, tiles: Sequence[torch.Tensor], mode: Mode) -> BatchOutput:
-        """:meth:`forward_tiles` of tiles that a subclass's ``prepare_sample`` normalized itself
-        (floats, as SPEC §5 places normalization), and any pixel tiles beside them, normalized
-        here: the batch as the program takes it, with nothing normalized twice."""
+    def _normalized_stack(self, tiles: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The float batch of tiles that a subclass's ``prepare_sample`` normalized itself
+        (floats, as SPEC §5 places normalization) and any pixel tiles beside them, normalized
+        here on the CPU: ``forward_batch`` takes it as normalized, so nothing is normalized
+        twice. Correct, not fast: the ``uint8`` path normalizes on the device."""
         with torch.inference_mode():
             scale, shift = self._scale[0].cpu(), self._shift[0].cpu()
             rows = [
                 tile.float().mul_(scale).add_(shift) if tile.dtype == torch.uint8 else tile
                 for tile in tiles
             ]
-            return self._run(torch.stack(rows).float().to(self.device), mode)
+            return torch.stack(rows).float()
 
     def _forward_batch_overridden(self) -> bool:
         return "forward_batch" in vars(self) or type(self).forward_batch is not (
@@ -537,39 +566,54 @@ class ServerModel:
         return CHANNELS_LAST if compared else "contiguous (the program took no probe batch)"
 
     def _check_outputs(self) -> None:
-        """One forward pass at load time: a mismatched checkpoint fails now, naming the file."""
+        """Forward passes at load time, of 2 tiles and of 1: a mismatched checkpoint fails now,
+        naming the file. A lone request, and each part of a sharded pass, is one tile: a program
+        exported for a fixed batch, or one that squeezes its batch dimension, would otherwise
+        load and then fail (or answer wrongly) only at low load."""
         size = self.assets.tile_size
         # Seeded noise, not zeros: a program fed the wrong dtype (an AOTInductor package compiled
         # for bfloat16 reads a float32 batch's bytes as bfloat16) answers garbage, not an error.
         seeded = torch.Generator().manual_seed(0)
-        probe = torch.randint(0, 256, (2, 3, size, size), generator=seeded, dtype=torch.uint8)
         # The modes served, and only they: one pass when predict_with_embedding is (it returns
         # both outputs). A model serving embed alone need not return predictions at all.
         both: Mode = "predict_with_embedding"
         modes = [both] if both in self.modes else list(self.modes)
-        for mode in modes:
-            try:
-                out = self.forward_batch(probe, mode)
-            except CheckpointError:
-                raise
-            except Exception as exc:
-                raise CheckpointError(
-                    f"checkpoint {self.checkpoint.path} failed on a [2, 3, {size}, {size}] "
-                    f"probe batch ({mode}): {first_line(exc)}"
-                ) from exc
-            if mode != "embed":
-                self._check_output("predictions", out.predictions, len(self.assets.gene_names))
-            if mode != "predict":
-                self._check_output("embedding", out.embedding, self.assets.embedding_size)
+        for n in (2, 1):
+            probe = torch.randint(0, 256, (n, 3, size, size), generator=seeded, dtype=torch.uint8)
+            for mode in modes:
+                try:
+                    out = self.forward_batch(probe, mode)
+                except CheckpointError:
+                    raise
+                except Exception as exc:
+                    hint = "" if n == 2 else _LONE_PROBE_HINT
+                    raise CheckpointError(
+                        f"checkpoint {self.checkpoint.path} failed on a [{n}, 3, {size}, {size}] "
+                        f"probe batch ({mode}): {first_line(exc)}{hint}"
+                    ) from exc
+                if not isinstance(out, BatchOutput):
+                    raise CheckpointError(
+                        f"checkpoint {self.checkpoint.path}: forward_batch must return a "
+                        f"BatchOutput (histoinfer.models), got {type(out).__name__}"
+                    )
+                if mode != "embed":
+                    genes = len(self.assets.gene_names)
+                    self._check_output("predictions", out.predictions, (n, genes))
+                if mode != "predict":
+                    self._check_output("embedding", out.embedding, (n, self.assets.embedding_size))
 
-    def _check_output(self, name: str, tensor: torch.Tensor | None, width: int) -> None:
-        """One output of the load-time probe: the shape model.json describes, and finite."""
-        shape = (2, width)
-        if tensor is None or tuple(tensor.shape) != shape:
-            actual = None if tensor is None else tuple(tensor.shape)
+    def _check_output(self, name: str, tensor: object, shape: tuple[int, int]) -> None:
+        """One output of the load-time probe: a tensor of the shape model.json describes (for
+        the probe's batch), and finite."""
+        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != shape:
+            actual: object = tensor  # None
+            if isinstance(tensor, torch.Tensor):
+                actual = tuple(tensor.shape)
+            elif tensor is not None:
+                actual = f"{type(tensor).__name__} (not a tensor)"
             raise CheckpointError(
-                f"checkpoint {self.checkpoint.path} returns {name} of shape {actual}, but its "
-                f"assets (model.json) describe {shape}"
+                f"checkpoint {self.checkpoint.path} returns {name} of shape {actual} for a "
+                f"probe batch of {shape[0]}, but its assets (model.json) describe {shape}"
             )
         if not bool(torch.isfinite(tensor).all()):
             dtype = str(self.checkpoint.input_dtype).removeprefix("torch.")
