@@ -117,6 +117,59 @@ def post_scope(path: str, content_length: int) -> dict[str, Any]:
     }
 
 
+async def post_raw(
+    app: Any, messages: list[dict[str, Any]], headers: list[tuple[bytes, bytes]]
+) -> tuple[list[dict[str, Any]], int]:
+    """POST ``messages`` to the single-tile route with exactly ``headers``; what was sent back,
+    and how many times the app called ``receive``."""
+    scope = {**post_scope("/api/predict/h1", 0), "headers": [(b"host", b"test"), *headers]}
+    sent: list[dict[str, Any]] = []
+    received = 0
+
+    async def receive() -> dict[str, Any]:
+        nonlocal received
+        received += 1
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await app(scope, receive, send)
+    return sent, received
+
+
+@pytest.mark.parametrize("parts", [1, 2], ids=["one-chunk", "last-chunk-crosses"])
+async def test_a_streamed_body_whose_last_chunk_crosses_the_limit_is_413(tiny_model, parts):
+    """Regression: uvicorn answered 500 ("Stream consumed"): the rest of the body was drained
+    through a second request.stream(), which Starlette refuses once the last chunk is in."""
+    app = create_app(fresh_client(tiny_model), max_body_bytes=1000)
+    chunks = [b" " * 600] * parts if parts == 2 else [b" " * 1200]
+    messages = [
+        {"type": "http.request", "body": chunk, "more_body": i < len(chunks) - 1}
+        for i, chunk in enumerate(chunks)
+    ]
+    async with serving(app):
+        with anyio.fail_after(30):
+            sent, _ = await post_raw(app, messages, [(b"transfer-encoding", b"chunked")])
+    assert sent[0]["status"] == 413, sent
+
+
+async def test_a_declared_body_over_the_limit_with_expect_100_continue_is_refused_unread(
+    tiny_model,
+):
+    """Regression: the app read the body to drain it, so the server sent "100 Continue" and the
+    client uploaded all of it (curl: 200 MB) only to get the 413."""
+    app = create_app(fresh_client(tiny_model), max_body_bytes=1000)
+    declared = [(b"content-length", b"5000000")]
+    async with serving(app):
+        with anyio.fail_after(30):
+            sent, received = await post_raw(app, [], [*declared, (b"expect", b"100-continue")])
+            assert (sent[0]["status"], received) == (413, 0)
+            body = [{"type": "http.request", "body": b" " * 2000, "more_body": False}]
+            sent, received = await post_raw(app, body, declared)  # no Expect: drained first
+            assert (sent[0]["status"], received) == (413, 1)
+
+
 async def leave_mid_body(app: Any, path: str) -> list[dict[str, Any]]:
     """POST to ``path`` as a client that disconnects after part of its body; what was sent."""
     messages = [

@@ -237,26 +237,32 @@ def warm_up(client: InProcessClient) -> None:
 async def read_body(request: Request, limit: int) -> bytes:
     """The raw body, refused with 413 over ``limit`` bytes (declared or actually streamed)."""
     declared = request.headers.get("content-length", "")
+    stream = request.stream()
     if declared.isdigit() and int(declared) > limit:
-        await _discard(request, 0)
+        # A client that sent "Expect: 100-continue" waits for the server's go-ahead, which
+        # reading the body would give: refused now, it never uploads the body at all.
+        if request.headers.get("expect", "").lower() != "100-continue":
+            await _discard(stream, 0)
         raise PayloadTooLargeError(
             f"request body is {int(declared)} bytes; the limit is {limit} bytes"
         )
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
+    async for chunk in stream:
         size += len(chunk)
         if size > limit:
-            await _discard(request, size)
+            await _discard(stream, size)
             raise PayloadTooLargeError(f"request body is over the limit of {limit} bytes")
         chunks.append(chunk)
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-async def _discard(request: Request, already: int) -> None:
+async def _discard(stream: AsyncIterator[bytes], already: int) -> None:
+    """The rest of ``stream`` (the body being read), read and dropped. The same iterator:
+    a second ``request.stream()`` raises once the body's last chunk has arrived."""
     size = already
     with anyio.move_on_after(_DRAIN_SECONDS):
-        async for chunk in request.stream():
+        async for chunk in stream:
             size += len(chunk)
             if size > _DRAIN_CAP:
                 return
