@@ -7,6 +7,7 @@ Routes, problem+json, 413, 503 on a full queue, readiness while loading, drainin
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from histoinfer import InProcessClient
 from histoinfer.errors import InvalidRequestError
 from histoinfer.models.h1 import H1ServerModel
+from histoinfer.schema import Mode, ModelRequest, ModelResponse
 from histoinfer.server import ServerState, create_app
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
@@ -432,6 +434,62 @@ async def test_a_model_that_fails_to_load_is_reported(tiny_model):
         assert r.status_code == 503 and "checkpoint exploded" in r.json()["errors"]["h1"]
         p = assert_problem(await http.post("/api/predict/h1", content=make_body(0)), 503)
         assert "checkpoint exploded" in p["detail"]
+
+
+async def test_without_on_fatal_a_model_that_fails_to_load_leaves_the_others_serving(
+    tiny_model,
+):
+    """Regression (create_app without the CLI): the models after a failed one stayed "loading"
+    for good, their callers told to retry shortly, forever."""
+
+    def broken() -> InProcessClient:
+        raise RuntimeError("checkpoint exploded")
+
+    app = create_app({"broken": broken, "h1": lambda: fresh_client(tiny_model)})
+    async with serving(app, ready=False) as http:
+        with anyio.fail_after(30):
+            while app.state.histoinfer.models["h1"].status == "loading":
+                await anyio.sleep(0.02)
+        r = await http.get("/health/ready")
+        assert r.status_code == 503, r.text
+        assert r.json()["models"] == {"broken": "failed", "h1": "ready"}
+        assert "checkpoint exploded" in r.json()["errors"]["broken"]
+        assert (await http.post("/api/predict/h1", content=make_body(0))).status_code == 200
+        p = assert_problem(await http.post("/api/predict/broken", content=make_body(0)), 503)
+        assert "checkpoint exploded" in p["detail"]
+
+
+class KnownSlidesOnly(H1ServerModel):
+    """Refuses tiles of slides it does not know, and answers only for tiles full of tissue:
+    the server's made-up warm-up request is neither."""
+
+    def prepare_sample(self, request: ModelRequest) -> Any:  # type: ignore[override]
+        if not request.slide_name.startswith("TCGA-"):
+            raise InvalidRequestError(f"unknown slide {request.slide_name!r}")
+        return super().prepare_sample(request)
+
+
+class MostlyTissueOnly(H1ServerModel):
+    def postprocess(self, request: ModelRequest, output: Any, mode: Mode) -> ModelResponse:
+        if request.tissue_ratio is None or request.tissue_ratio < 2:  # never, here
+            raise InvalidRequestError("too little tissue")
+        return super().postprocess(request, output, mode)
+
+
+@pytest.mark.parametrize("kind", [KnownSlidesOnly, MostlyTissueOnly])
+async def test_a_model_refusing_the_warm_up_request_is_warmed_up_and_served(
+    tiny_model, kind, caplog
+):
+    """Regression: the warm-up's flat tile without a resolution went through the model's own
+    prepare_sample and postprocess, and a model that refused it failed to load."""
+    model = kind(tiny_model.checkpoint, tiny_model.assets)
+    app = create_app({"h1": lambda: fresh_client(model)})
+    with caplog.at_level(logging.WARNING, logger="histoinfer.server"):
+        async with serving(app) as http:  # ready
+            body = make_body(0, slide_name="TCGA-01", tissue_ratio=0.9)
+            r = await http.post("/api/predict/h1", content=body)
+            assert r.status_code == (200 if kind is KnownSlidesOnly else 422), r.text
+    assert any("warm-up" in m and "refused" in m for m in caplog.messages), caplog.messages
 
 
 async def test_draining_refuses_new_requests(tiny_model):

@@ -24,6 +24,7 @@ from typing import Any, Literal, TypeVar, get_args
 import anyio
 import anyio.from_thread
 import anyio.to_thread
+import numpy as np
 import pydantic_core
 import sniffio
 from fastapi import FastAPI, Request
@@ -36,7 +37,13 @@ from starlette.types import Scope
 
 from .. import __version__
 from ..clients.inprocess import InProcessClient
-from ..errors import ClientClosedError, InvalidRequestError, UnsupportedModeError
+from ..errors import (
+    ClientClosedError,
+    InferenceError,
+    InvalidRequestError,
+    UnsupportedModeError,
+)
+from ..models.base import ServerModel
 from ..models.device_thread import device_thread
 from ..schema import (
     INVOCATION_MODES,
@@ -132,8 +139,8 @@ class ServerState:
         self.draining = False
         #: Called (on the event loop) if a model fails to load: the CLI stops the server.
         self.on_fatal: Callable[[], None] | None = None
-        #: Called (on the event loop) once every model is loaded and warm: the CLI freezes the
-        #: start-up heap there (``gc.freeze``).
+        #: Called (on the event loop) once loading is over, every model ready or failed, unless
+        #: ``on_fatal`` was: the CLI freezes the start-up heap there (``gc.freeze``).
         self.on_loaded: Callable[[], None] | None = None
         self.http = HttpCounters()
         self.registry = CollectorRegistry(auto_describe=True)
@@ -171,7 +178,9 @@ class ServerState:
     # -- lifecycle -----------------------------------------------------------------------
 
     async def load_all(self) -> None:
-        """Load (in a worker thread) and warm up every model, one after the other."""
+        """Load (in a worker thread) and warm up every model, one after the other. A model that
+        fails is marked failed (readiness says why) and the next one loads: the others serve,
+        unless ``on_fatal`` (the CLI's: exit) stops the server."""
         for served in self.models.values():
             try:
                 if served.client is None:
@@ -188,7 +197,8 @@ class ServerState:
                 log.error("model %r failed to load: %s", served.name, served.error)
                 if self.on_fatal is not None:
                     self.on_fatal()
-                return
+                    return
+                continue
             served.status = "ready"
             log.info("model %r is ready", served.name)
         if self.on_loaded is not None:
@@ -208,12 +218,18 @@ def warm_up(client: InProcessClient) -> None:
     """Run one real tile through every mode, so the first user request pays no first-call cost.
 
     It calls the model directly (not the client), so warm-up tiles do not show in the stats.
+    A model whose own ``prepare_sample`` or ``postprocess`` refuses the made-up request (it
+    wants a field set, or a tile it recognises) is warmed up all the same, with a warning: that
+    says nothing against serving real requests.
     """
     model = client.server_model
     meta = model.metadata()
     size = meta.tile_size
+    # A tile a model would take: textured (a flat one may be refused as background, or give a
+    # model's own normalization a zero variance), at the model's resolution, all tissue.
+    pixels = np.random.default_rng(0).integers(96, 224, (size, size, 3), dtype=np.uint8)
     buffer = io.BytesIO()
-    Image.new("RGB", (size, size), (214, 166, 196)).save(buffer, format="PNG")
+    Image.fromarray(pixels).save(buffer, format="PNG")
     request = ModelRequest(
         image_data=base64.b64encode(buffer.getvalue()).decode(),
         slide_name="warm-up",
@@ -222,13 +238,25 @@ def warm_up(client: InProcessClient) -> None:
         width=size,
         height=size,
         patch_idx=0,
+        tissue_ratio=1.0,
+        resolution=meta.resolution,
     )
-    tile = model.prepared_tile(request, "for the warm-up tile")
+    where = "for the warm-up tile"
+    postprocess = True
+    try:
+        tile = model.prepared_tile(request, where)
+    except InferenceError as exc:
+        log.warning("%s: warm-up without its prepare_sample, which refused: %s", meta.name, exc)
+        tile, postprocess = ServerModel.prepare_sample(model, request, where), False
     for mode in meta.modes:
         # On the device's thread, like every pass: run on this worker thread, it would leave it
         # an OpenMP team and slow every later pass (models/device_thread.py).
         output = device_thread(model.device).call(model.forward_tiles, [tile], mode)
-        model.response_json(request, output.split()[0], mode)
+        try:
+            if postprocess:
+                model.response_json(request, output.split()[0], mode)
+        except InferenceError as exc:
+            log.warning("%s: warm-up's postprocess refused (%s): %s", meta.name, mode, exc)
 
 
 # -- request helpers ---------------------------------------------------------------------
