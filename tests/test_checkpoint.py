@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import struct
 import subprocess
 import sys
 import textwrap
@@ -21,7 +22,7 @@ from torch import nn
 
 from histoinfer import InProcessClient, ServerModel, available_models, build_server_model
 from histoinfer.errors import InferenceError, InvalidRequestError
-from histoinfer.models import CheckpointError, base, load_checkpoint, registry
+from histoinfer.models import CheckpointError, base, checkpoint, load_checkpoint, registry
 from histoinfer.models.base import BatchOutput
 from histoinfer.models.checkpoint import AOTI_INPUT_DTYPE_KEY, input_dtype, sniff_kind
 from histoinfer.models.genes import REFERENCE_GENE_PANEL
@@ -125,6 +126,68 @@ def test_corrupt_program_inside_a_valid_zip(tiny_checkpoint: Path, tmp_path: Pat
                 data = b"{ this is not the program }"
             dst.writestr(info, data)
     raises_naming(path, lambda: load_checkpoint(path), "could not be loaded")
+
+
+def flip_a_byte(path: Path, member_suffix: str) -> str:
+    """Flip one byte in the middle of the data of the member of ``path`` whose name ends with
+    ``member_suffix``, as bit rot or a bad copy would; the member's full name."""
+    with zipfile.ZipFile(path) as archive:
+        [info] = [i for i in archive.infolist() if i.filename.endswith(member_suffix)]
+    data = bytearray(path.read_bytes())
+    # Where the data starts: after the local header, whose extra field (torch's alignment
+    # padding) need not be the central directory's.
+    name_length, extra_length = struct.unpack_from("<2H", data, info.header_offset + 26)
+    start = info.header_offset + 30 + name_length + extra_length
+    data[start + info.compress_size // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+    return info.filename
+
+
+def must_not_load(*_: object) -> None:
+    raise AssertionError("a damaged checkpoint was loaded")
+
+
+@pytest.mark.parametrize("member", ["data/weights/weight_1", "models/model.json"])
+def test_a_damaged_member_is_refused_before_loading_naming_the_file_and_member(
+    copy_of_tiny: Path, member: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Regression: a weight's byte flipped loaded silently, and the model answered other numbers.
+    path = copy_of_tiny / "model.pt2"
+    assert load_checkpoint(path).sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+    name = flip_a_byte(path, member)
+    monkeypatch.setattr(checkpoint, "_load_program", must_not_load)
+    raises_naming(path, lambda: load_checkpoint(path), "is damaged", repr(name), "CRC-32")
+    raises_naming(path, lambda: build_server_model("h1", path), "is damaged", repr(name))
+
+
+def test_a_damaged_aoti_package_is_refused_before_its_library_is_opened(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The layout of a package, without its minute of compiling (the slow test below damages a
+    # real one): a damaged .so is never handed to the loader to open.
+    path = tmp_path / "package.pt2"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("package/data/aotinductor/model/model.wrapper.so", bytes(range(256)) * 64)
+        archive.writestr("package/archive_format", "pt2")
+    assert sniff_kind(path) == "aoti"
+    name = flip_a_byte(path, ".wrapper.so")
+    monkeypatch.setattr(checkpoint, "_load_program", must_not_load)
+    raises_naming(path, lambda: load_checkpoint(path), "is damaged", repr(name))
+
+
+def test_compressed_members_are_checked_too(tmp_path: Path) -> None:
+    # No .pt2 writer compresses its members, but a zip tool re-packing one might.
+    path = tmp_path / "model.pt2"
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("model/models/model.json", json.dumps({"weights": list(range(4000))}))
+        archive.writestr("model/stored", b"as is", compress_type=zipfile.ZIP_STORED)
+    members = zipfile.ZipFile(path).infolist()
+    verified_sha256 = checkpoint.verified_sha256
+    assert verified_sha256(path, members) == hashlib.sha256(path.read_bytes()).hexdigest()
+    flip_a_byte(path, "models/model.json")
+    raises_naming(
+        path, lambda: verified_sha256(path, members), "is damaged", "'model/models/model.json'"
+    )
 
 
 @pytest.mark.parametrize(
@@ -363,6 +426,13 @@ def test_aoti_package_matches_the_export_program(tmp_path: Path) -> None:
     # And end to end through the client, whatever the file is called.
     renamed = tmp_path / "package.bin"
     shutil.copy(export.aoti_checkpoint, renamed)
+
+    # A damaged package is refused naming its member, before its library is opened.
+    damaged = tmp_path / "damaged.pt2"
+    shutil.copy(export.aoti_checkpoint, damaged)
+    name = flip_a_byte(damaged, ".wrapper.so")
+    raises_naming(damaged, lambda: load_checkpoint(damaged), "is damaged", repr(name))
+
     bodies = [make_body(i) for i in range(5)]
     with (
         InProcessClient.from_checkpoint(
@@ -483,19 +553,18 @@ class _Means(nn.Module):
         return rows.expand(-1, genes).clone(), rows.expand(-1, dim).clone()
 
 
-def test_a_program_exported_with_a_static_batch_loads_and_runs_as_before(
-    copy_of_tiny: Path,
-) -> None:
+def test_a_program_exported_with_a_static_batch_is_refused_at_load(copy_of_tiny: Path) -> None:
     # A common mistake (no dynamic_shapes): its fx module takes batches of 2 only. It loaded
-    # before programs were scripted, and must still: the fx module keeps running it.
+    # until the load probe ran a lone tile too (b6fa8c4), and then failed every lone request and
+    # sharded pass; now the load refuses it with the export hint (tests/test_model_contract.py).
     path = copy_of_tiny / "model.pt2"
     torch.export.save(torch.export.export(_Means(), (torch.zeros(2, 3, 224, 224),)), str(path))
-    model = build_server_model("h1", path)
-    assert model.runner.startswith("fx GraphModule (the program itself fails on a batch of 1: "), (
-        model.runner
+    raises_naming(
+        path,
+        lambda: build_server_model("h1", path),
+        "[1, 3, 224, 224] probe batch",
+        "dynamic batch dimension",
     )
-    out = model.forward_batch(torch.zeros(2, 3, 224, 224, dtype=torch.uint8), "predict")
-    assert out.predictions is not None and out.predictions.shape == (2, len(REFERENCE_GENE_PANEL))
 
 
 def test_a_batch_of_the_wrong_shape_is_refused_before_the_program_runs(

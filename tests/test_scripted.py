@@ -4,15 +4,18 @@ as the program's own fx module does; otherwise the fx module runs, and the model
 from __future__ import annotations
 
 import threading
+from collections import namedtuple
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import save_program
 
-from histoinfer.models import ServerModel, base, build_server_model, shards
+from histoinfer.models import BatchOutput, ServerModel, base, build_server_model, shards
 from histoinfer.models.device_thread import device_thread
 from histoinfer.models.h1 import H1ServerModel
 from histoinfer.models.scripted import script_program, scripted_equal
+from histoinfer.schema import Mode
 
 
 class FxOnly(H1ServerModel):
@@ -131,4 +134,156 @@ def test_scripted_equal_names_what_differed() -> None:
     # What the program itself refuses (a batch dimension exported static) cannot be compared.
     assert scripted_equal(fails_on_one, program, batches) == (
         "the program itself fails on a batch of 1: size 1"
+    )
+
+
+# -- what a program returns -----------------------------------------------------------------
+
+
+class _Backbone(torch.nn.Module):
+    """An embedding-only backbone: one tensor out, [B, 96] (the tiny model's embedding size)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.patches = torch.nn.Conv2d(3, 96, 16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.patches(x).mean(dim=(2, 3))
+
+
+class _Embedder(ServerModel):
+    modes = ("embed",)
+
+    def forward_batch(self, batch: torch.Tensor, mode: Mode) -> BatchOutput:
+        return BatchOutput(None, self.checkpoint.program(batch.float().div(255)))
+
+
+class _FxEmbedder(_Embedder):
+    script_program = False
+
+
+def test_a_program_returning_one_tensor_runs_scripted_and_answers_as_its_fx_module(
+    copy_of_tiny: Path,
+) -> None:
+    # Regression: the scripted graph returned a 1-tuple where the program returns a tensor, the
+    # check took that for different outputs, and every single-output program ran as fx.
+    path = save_program(_Backbone().eval(), copy_of_tiny)
+    model = _Embedder.from_files(path)
+    assert model.runner == "TorchScript interpreter"
+    assert isinstance(model.checkpoint.program, torch.jit.ScriptModule)
+    fx = _FxEmbedder.from_files(path)
+    assert isinstance(fx.checkpoint.program, torch.fx.GraphModule)
+    for n in (1, 5):
+        batch = tiles(n, seed=n)
+        got, want = model.forward_batch(batch, "embed"), fx.forward_batch(batch, "embed")
+        assert isinstance(got.embedding, torch.Tensor) and isinstance(want.embedding, torch.Tensor)
+        assert got.embedding.shape == (n, 96)
+        assert torch.equal(got.embedding, want.embedding)
+
+
+Pair = namedtuple("Pair", "mean total")
+
+
+def _mean(x: torch.Tensor) -> torch.Tensor:
+    return x.mean(dim=(2, 3))
+
+
+def _total(x: torch.Tensor) -> torch.Tensor:
+    return x.sum(dim=(2, 3))
+
+
+def _peak(x: torch.Tensor) -> torch.Tensor:
+    return x.amax(dim=(2, 3))
+
+
+class _Returns(torch.nn.Module):
+    def __init__(self, shape: str) -> None:
+        super().__init__()
+        self.shape = shape
+
+    def forward(self, x: torch.Tensor) -> object:
+        a, b, c = _mean(x), _total(x), _peak(x)
+        return {
+            "tensor": a,
+            "1-tuple": (a,),
+            "pair": (a, b),
+            "three": (a, b, c),
+            "list": [a, b],
+            "dict": {"mean": a, "total": b},
+            "nested": (a, [b, c]),
+            "dict of tuple": {"mean": a, "rest": (b, c)},
+            "with None": (a, None),
+            "named tuple": Pair(a, b),
+        }[self.shape]
+
+
+def _exported(shape: str) -> torch.fx.GraphModule:
+    batch = torch.export.Dim("batch", min=1, max=8)
+    example = (torch.zeros(2, 3, 8, 8),)
+    program = torch.export.export(_Returns(shape), example, dynamic_shapes={"x": {0: batch}})
+    return program.module()  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        "tensor",
+        "1-tuple",
+        "pair",
+        "three",
+        "list",
+        "dict",
+        "nested",
+        "dict of tuple",
+        "with None",
+    ],
+)
+def test_the_scripted_graph_returns_what_the_program_returns(shape: str) -> None:
+    program = _exported(shape)
+    scripted, why = script_program(program)
+    assert scripted is not None, why
+    batches = [torch.randn(2, 3, 8, 8), torch.randn(1, 3, 8, 8)]
+    assert scripted_equal(program, scripted, batches) is None
+    got, want = scripted(batches[0]), program(batches[0])
+    assert type(got) is type(want)
+    if isinstance(want, dict):
+        assert list(got) == list(want)
+
+
+def test_what_the_scripted_graph_cannot_return_alike_keeps_the_fx_module_and_says_why() -> None:
+    program = _exported("named tuple")  # rebuilt as a plain tuple, a different type
+    scripted, _ = script_program(program)
+    assert scripted is not None
+    batches = [torch.randn(2, 3, 8, 8)]
+    assert scripted_equal(program, scripted, batches) == (
+        "the scripted graph returns a tuple of 2 where the program returns a Pair of 2 on a "
+        "batch of 2"
+    )
+
+
+def test_scripted_equal_names_a_different_structure() -> None:
+    def pair(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x * 2, x.sum(dim=1)
+
+    def one(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    batches = [torch.ones(2, 3)]
+    assert scripted_equal(one, lambda x: (one(x),), batches) == (
+        "the scripted graph returns a tuple of 1 where the program returns a Tensor on a batch of 2"
+    )
+    assert scripted_equal(pair, lambda x: [*pair(x)], batches) == (
+        "the scripted graph returns a list of 2 where the program returns a tuple of 2 on a "
+        "batch of 2"
+    )
+    assert scripted_equal(
+        lambda x: {"a": one(x), "b": one(x)}, lambda x: {"b": one(x), "a": one(x)}, batches
+    ) == (
+        "the scripted graph returns a dict ('b', 'a') where the program returns a dict "
+        "('a', 'b') on a batch of 2"
+    )
+    # The same structure, one value off: the values differ.
+    assert scripted_equal(pair, lambda x: (x * 2, x.sum(dim=1) + 1), batches) == (
+        "the scripted graph's outputs differ on a batch of 2"
     )

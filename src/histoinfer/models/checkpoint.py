@@ -4,17 +4,24 @@ Both kinds are zip archives in the PT2 archive layout; they are told apart by wh
 holds (compiled AOTInductor artifacts under ``data/aotinductor/`` versus a serialized program
 under ``models/``), never by the file name. Every failure is a :class:`CheckpointError` that names
 the file, instead of a stack trace from deep inside torch.
+
+Before anything in the archive is loaded, every member is checked against the CRC-32 its zip
+entry records, in the same read of the file that computes its sha256: a damaged file (bit rot,
+a bad copy) is an error naming the member, not weights that load and answer other numbers, nor
+a damaged compiled library that is opened.
 """
 
 from __future__ import annotations
 
 import hashlib
+import struct
 import warnings
 import zipfile
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import BinaryIO, Literal
 
 import torch
 
@@ -52,35 +59,121 @@ class LoadedCheckpoint:
     input_dtype: torch.dtype = torch.float32
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def sniff_kind(path: Path) -> CheckpointKind:
     """Which kind of ``.pt2`` this is, from its content."""
+    return _sniff(path)[0]
+
+
+def _sniff(path: Path) -> tuple[CheckpointKind, list[zipfile.ZipInfo]]:
+    """Which kind of ``.pt2`` this is, and the archive's members."""
     if not path.exists():
         raise CheckpointError(f"checkpoint file not found: {path}")
     if not path.is_file():
         raise CheckpointError(f"checkpoint path is not a file: {path}")
     try:
         with zipfile.ZipFile(path) as archive:
-            names = archive.namelist()
+            members = archive.infolist()
     except (zipfile.BadZipFile, OSError) as exc:
         raise CheckpointError(
             f"checkpoint {path} is not a .pt2 archive (not a readable zip file: {exc})"
         ) from None
+    names = [member.filename for member in members]
     if any("/data/aotinductor/" in n for n in names):
-        return "aoti"
+        return "aoti", members
     if any("/models/" in n and n.endswith(".json") for n in names):
-        return "torch.export"
+        return "torch.export", members
     raise CheckpointError(
         f"checkpoint {path} is a zip file but neither a torch.export program nor an "
         "AOTInductor package (no models/*.json and no data/aotinductor/ entries)"
     )
+
+
+#: A zip member's local header: signature, then fixed fields up to the name's and the extra
+#: field's lengths (the last two), which say where the member's data starts.
+_LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")
+_LOCAL_SIGNATURE = b"PK\x03\x04"
+
+
+def verified_sha256(path: Path, members: list[zipfile.ZipInfo]) -> str:
+    """The file's sha256, computed in the same read that checks each member's CRC-32.
+
+    ``.pt2`` archives store their members uncompressed: each one's CRC-32 is computed over the
+    bytes as they stream past for the sha256, so the check costs the CRC's arithmetic and no
+    second read (~0.45 ms a MB: the small reference model's 89 MB took 0.146 s instead of
+    0.106, the tiny one's 2.4 MB 5.6 ms instead of 3.7). A compressed member (no writer of
+    ``.pt2`` files here makes one) is read and checked through :mod:`zipfile` instead.
+    """
+    try:
+        with path.open("rb") as f:
+            spans = _stored_spans(path, f, members)
+            crcs = [0] * len(spans)
+            done = 0  # spans before this one ended before the current chunk
+            digest = hashlib.sha256()
+            position = 0
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+                end = position + len(chunk)
+                view = memoryview(chunk)
+                i = done
+                while i < len(spans) and spans[i][0] < end:
+                    start, stop, _ = spans[i]
+                    if stop > position:
+                        piece = view[max(start, position) - position : min(stop, end) - position]
+                        crcs[i] = zlib.crc32(piece, crcs[i])
+                    i += 1
+                while done < len(spans) and spans[done][1] <= end:
+                    done += 1
+                position = end
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint {path} could not be read: {exc}") from None
+    damaged = [member for (_, _, member), crc in zip(spans, crcs, strict=True) if crc != member.CRC]
+    compressed = [m for m in members if m.compress_type != zipfile.ZIP_STORED]
+    if compressed and not damaged:
+        damaged = _damaged_compressed(path, compressed)
+    if damaged:
+        more = f" (and {len(damaged) - 1} more)" if len(damaged) > 1 else ""
+        raise CheckpointError(
+            f"checkpoint {path} is damaged: its member {damaged[0].filename!r}{more} does not "
+            "match the CRC-32 the archive records for it (the file changed after it was "
+            "written: copy or export it again)"
+        )
+    return digest.hexdigest()
+
+
+def _stored_spans(
+    path: Path, f: BinaryIO, members: list[zipfile.ZipInfo]
+) -> list[tuple[int, int, zipfile.ZipInfo]]:
+    """Where each stored member's bytes lie in the file (``[start, stop)``), by start."""
+    spans = []
+    for member in members:
+        if member.compress_type != zipfile.ZIP_STORED:
+            continue
+        f.seek(member.header_offset)
+        header = f.read(_LOCAL_HEADER.size)
+        fields = _LOCAL_HEADER.unpack(header) if len(header) == _LOCAL_HEADER.size else None
+        if fields is None or fields[0] != _LOCAL_SIGNATURE:
+            raise CheckpointError(
+                f"checkpoint {path} is damaged: the zip header of its member "
+                f"{member.filename!r} is not where the archive's directory says"
+            )
+        start = member.header_offset + _LOCAL_HEADER.size + fields[-2] + fields[-1]
+        spans.append((start, start + member.compress_size, member))
+    f.seek(0)
+    return sorted(spans, key=lambda span: span[0])
+
+
+def _damaged_compressed(path: Path, members: list[zipfile.ZipInfo]) -> list[zipfile.ZipInfo]:
+    """The compressed ``members`` whose content fails its CRC-32 (or does not decompress)."""
+    damaged = []
+    with zipfile.ZipFile(path) as archive:
+        for member in members:
+            try:
+                with archive.open(member) as content:  # checks the CRC-32 at the end
+                    while content.read(1 << 20):
+                        pass
+            except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError, OSError):
+                damaged.append(member)
+    return damaged
 
 
 def resolve_device(device: str | torch.device, path: Path) -> torch.device:
@@ -169,8 +262,9 @@ def first_line(exc: BaseException) -> str:
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> LoadedCheckpoint:
     """Load a ``.pt2`` file of either kind onto ``device``."""
     path = Path(path).expanduser()
-    kind = sniff_kind(path)
+    kind, members = _sniff(path)
     resolved = resolve_device(device, path)
+    sha256 = verified_sha256(path, members)  # before anything in it is loaded
     try:
         program = _load_program(path, kind, resolved)
     except Exception as exc:
@@ -182,6 +276,4 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> Loa
         dtype = input_dtype(program)
     except ValueError as exc:
         raise CheckpointError(f"checkpoint {path} ({kind}): {exc}") from None
-    return LoadedCheckpoint(
-        path=path, kind=kind, sha256=file_sha256(path), program=program, input_dtype=dtype
-    )
+    return LoadedCheckpoint(path=path, kind=kind, sha256=sha256, program=program, input_dtype=dtype)

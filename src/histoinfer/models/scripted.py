@@ -12,7 +12,9 @@ interpreter runs the whole graph in C++ with the GIL released.
 How. The graph is copied; the export's input-guard call (a Python submodule: our own checks run
 before any pass) is dropped; each ATen overload becomes its packet (TorchScript resolves the
 overload from the arguments); ``torch.jit.script`` compiles it. The scripted module shares the
-original's parameters (no second copy of the weights).
+original's parameters (no second copy of the weights). The graph returns its outputs flat (a
+tuple); the fx module rebuilds the structure the program returned (one tensor, a tuple, a list,
+a dict) with the export's output spec, so the copy's output node returns that structure itself.
 
 Trust. It is used only if it returns exactly what the fx module returns (``torch.equal``) on the
 model's load-time probe, after the interpreter has optimized the graph; anything else (a graph
@@ -27,6 +29,7 @@ import warnings
 from collections.abc import Callable, Sequence
 
 import torch
+from torch.utils._pytree import tree_unflatten
 
 from .checkpoint import first_line
 
@@ -65,8 +68,41 @@ def _plain_graph_module(program: torch.fx.GraphModule) -> torch.fx.GraphModule:
             if node.target is torch.ops.aten.sym_size.int:
                 node.target = torch.ops.aten.size.int
             node.target = node.target.overloadpacket  # TorchScript resolves the overload
+    _return_as_the_program_does(program, graph)
     graph._codegen = torch.fx.graph.CodeGen()  # plain arguments, not export's pytree
     return torch.fx.GraphModule(program, graph)
+
+
+def _return_as_the_program_does(program: torch.fx.GraphModule, graph: torch.fx.Graph) -> None:
+    """Make ``graph`` (a copy of ``program``'s) return what ``program`` returns, not its flat
+    outputs.
+
+    An exported graph returns its outputs as one flat tuple, and export's code generator rebuilds
+    the program's structure from its output spec: a single tensor, a tuple, a list, a dict. The
+    plain code generator TorchScript compiles would return the flat tuple (a 1-tuple for a
+    program returning one tensor), which is not what the program returns. Rebuilt here in the
+    graph itself, the structure costs nothing per call: ``(a, b)`` stays ``(a, b)``. Another
+    structure (a named tuple, a dataclass) is left flat, and the comparison says so.
+    """
+    out_spec = getattr(getattr(program.graph._codegen, "pytree_info", None), "out_spec", None)
+    output = next((node for node in graph.nodes if node.op == "output"), None)
+    if out_spec is None or output is None or not isinstance(output.args[0], (tuple, list)):
+        return
+    try:
+        structured = tree_unflatten(list(output.args[0]), out_spec)
+    except Exception:  # a spec this torch's pytree cannot rebuild: the flat outputs stay
+        return
+    if _plain_containers(structured):
+        output.args = (structured,)
+
+
+def _plain_containers(value: object) -> bool:
+    """Whether ``value`` is nodes (or constants) in tuples, lists and dicts only: what generated
+    code can spell and TorchScript can return."""
+    if isinstance(value, (tuple, list, dict)):
+        items = value.values() if isinstance(value, dict) else value
+        return type(value) in (tuple, list, dict) and all(_plain_containers(v) for v in items)
+    return isinstance(value, (torch.fx.Node, int, float, bool, str)) or value is None
 
 
 def _compile_error(exc: BaseException) -> str:
@@ -98,14 +134,57 @@ def scripted_equal(
                 got = scripted(batch)
         except Exception as exc:
             return f"the scripted graph failed on a batch of {len(batch)}: {first_line(exc)}"
+        shape = _other_structure(want, got)
+        if shape is not None:
+            return f"the scripted graph returns {shape} on a batch of {len(batch)}"
         if not _same(want, got):
             return f"the scripted graph's outputs differ on a batch of {len(batch)}"
     return None
 
 
+def _structure(value: object) -> str:
+    """``value``'s structure in words: "a Tensor", "a tuple of 2", "a dict ('a', 'b')"."""
+    if isinstance(value, torch.Tensor):
+        return "a Tensor"
+    if isinstance(value, dict):
+        return f"a {type(value).__name__} {tuple(value)}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    return f"a {type(value).__name__}"
+
+
+def _other_structure(want: object, got: object) -> str | None:
+    """How ``got``'s structure differs from ``want``'s, in words, or ``None`` if it does not
+    (the containers' types, lengths and keys; values are :func:`_same`'s)."""
+    mismatch = f"{_structure(got)} where the program returns {_structure(want)}"
+    if type(want) is not type(got) and not (
+        isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor)
+    ):
+        return mismatch
+    if isinstance(want, dict) and isinstance(got, dict):
+        if list(want) != list(got):
+            return mismatch
+        return next((d for k in want if (d := _other_structure(want[k], got[k])) is not None), None)
+    if isinstance(want, (tuple, list)) and isinstance(got, (tuple, list)):
+        if len(want) != len(got):
+            return mismatch
+        return next(
+            (
+                d
+                for w, g in zip(want, got, strict=True)
+                if (d := _other_structure(w, g)) is not None
+            ),
+            None,
+        )
+    return None
+
+
 def _same(a: object, b: object) -> bool:
+    """Equal values, in containers of the same structure (:func:`_other_structure`)."""
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, Sequence) and isinstance(b, Sequence) and not isinstance(a, str):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return False
+    return a == b if type(a) is type(b) and isinstance(a, (int, float, bool, str)) else a is b
