@@ -915,3 +915,159 @@ def test_a_retry_after_of_non_ascii_digits_is_ignored():
         pytest.raises(OverloadedError, match="HTTP 503 from POST http://h/api/predict/h1: busy"),
     ):
         client.predict(make_body(0))
+
+
+class Answering:
+    """A MockTransport handler answering every request (sync or async) with a copy of
+    ``response``; counts the requests, to show that an answer was not retried."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        self.response = response
+        self.n = 0
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.n += 1
+        answer = self.response
+        return httpx.Response(answer.status_code, headers=answer.headers, content=answer.content)
+
+
+LOGIN_PAGE = httpx.Response(
+    200,
+    headers={"content-type": "text/html; charset=utf-8"},
+    content=b"\n  <!DOCTYPE html><html><body>Sign in to continue</body></html>",
+)
+#: 200s that are not a JSON object: a proxy's page, a captive portal's text, an empty answer,
+#: a JSON list or string from another API (even labelled JSON).
+NOT_AN_OBJECT = [
+    LOGIN_PAGE,
+    httpx.Response(200, headers={"content-type": "text/plain"}, content=b"OK"),
+    httpx.Response(200, content=b""),
+    httpx.Response(200, headers={"content-type": "application/json"}, content=b' ["a"]'),
+    httpx.Response(200, headers={"content-type": "application/json"}, content=b'"\xff"'),
+]
+
+
+@pytest.mark.parametrize("answer", NOT_AN_OBJECT)
+def test_a_200_that_is_not_a_json_object_is_an_inference_error(answer):
+    """A proxy's login page answered 200 is not returned as the caller's response: an
+    InferenceError that names the call (without the URL's credentials), sent only once."""
+    kind = answer.headers.get("content-type", "no content type")
+    head = answer.content[:300].decode("utf-8", "replace")
+    calls = [
+        ("POST http://h/api/predict/h1", lambda c: c.predict(make_body(0))),
+        ("POST http://h/api/embed/h1", lambda c: c.embed(make_body(0))),
+        (
+            "POST http://h/api/predict_with_embedding/h1",
+            lambda c: c.predict_with_embedding(make_body(0)),
+        ),
+        ("GET http://h/api/metadata/h1", lambda c: c.metadata()),
+    ]
+    for route, call in calls:
+        handler = Answering(answer)
+        transport = httpx.MockTransport(handler)
+        with (
+            HttpClient("http://user:secret@h", transport=transport, retries=3, timeout=10) as c,
+            pytest.raises(InferenceError) as info,
+        ):
+            call(c)
+        assert type(info.value) is InferenceError
+        assert str(info.value) == (
+            f"the server answered {route} with HTTP 200 ({kind}), not a JSON object: {head}"
+        )
+        assert handler.n == 1  # not retried
+
+
+@pytest.mark.anyio
+async def test_a_200_that_is_not_a_json_object_is_an_inference_error_async():
+    handler = Answering(LOGIN_PAGE)
+    transport = httpx.MockTransport(handler)
+    async with (
+        HttpClient("http://user:secret@h", transport=transport, retries=3) as client,
+        httpx.AsyncClient(transport=transport) as session,
+    ):
+        with anyio.fail_after(30):
+            for call in (
+                client.predict_async(make_body(0)),
+                client.embed_async(make_body(0)),
+                client.predict_with_embedding_async(make_body(0), session=session),
+            ):
+                with pytest.raises(InferenceError, match="not a JSON object: \n  <!DOCTYPE") as e:
+                    await call
+                assert type(e.value) is InferenceError and "secret" not in str(e.value)
+                assert str(e.value).startswith("the server answered POST http://h/api/")
+    assert handler.n == 3  # one request per call: not retried
+
+
+@pytest.mark.anyio
+async def test_a_json_object_is_returned_exactly_as_the_server_wrote_it():
+    """Whatever its content type (none here) and leading whitespace: the check reads the
+    first byte that is not whitespace, it does not parse the body again."""
+    body = b' \r\n\t{"output":[1.0],"x":0}'
+    transport = httpx.MockTransport(Answering(httpx.Response(200, content=body)))
+    async with HttpClient("http://h", transport=transport, retries=0) as client:
+        with anyio.fail_after(30):
+            assert await client.embed_async(make_body(0)) == body.decode()
+        assert await anyio.to_thread.run_sync(client.metadata) == body.decode()
+
+
+TOO_MANY = [
+    httpx.Response(429, headers={"retry-after": "7"}, content=b"Too Many Requests"),
+    httpx.Response(
+        429,
+        headers={"retry-after": "7", "content-type": "application/problem+json"},
+        json={
+            "type": "about:blank",
+            "title": "Too Many Requests",
+            "status": 429,
+            "detail": "rate limit exceeded",
+        },
+    ),
+]
+
+
+@pytest.mark.parametrize("answer", TOO_MANY)
+def test_a_429_is_an_overloaded_error_with_its_retry_after_never_retried(answer):
+    """A gateway's or rate limiter's 429 is the caller's "back off" error. Like every 4xx it is
+    not retried (SPEC §2.3); the wait it asks for is the error's ``retry_after``."""
+    handler = Answering(answer)
+    transport = httpx.MockTransport(handler)
+    with (
+        HttpClient("http://user:secret@h", transport=transport, retries=3, timeout=10) as client,
+        pytest.raises(OverloadedError) as info,
+    ):
+        client.predict(make_body(0))
+    assert type(info.value) is OverloadedError and info.value.retry_after == 7.0
+    assert handler.n == 1
+    if answer.headers.get("content-type") is None:
+        assert str(info.value) == "HTTP 429 from POST http://h/api/predict/h1: Too Many Requests"
+    else:
+        assert str(info.value) == "rate limit exceeded"
+
+
+@pytest.mark.anyio
+async def test_a_429_is_an_overloaded_error_never_retried_async():
+    handler = Answering(httpx.Response(429, content=b"slow down"))  # no Retry-After
+    transport = httpx.MockTransport(handler)
+    async with HttpClient("http://h", transport=transport, retries=3, backoff=0.01) as client:
+        with (
+            anyio.fail_after(30),
+            pytest.raises(OverloadedError, match=r"HTTP 429 .*slow down") as e,
+        ):
+            await client.embed_async(make_body(0))
+    assert type(e.value) is OverloadedError and e.value.retry_after is None
+    assert handler.n == 1
+
+
+def test_a_503_whose_retries_ran_out_keeps_its_retry_after():
+    problem = {"type": "https://histoinfer.dev/problems/overloaded", "detail": "queue full"}
+    answer = httpx.Response(
+        503, headers={"content-type": "application/problem+json", "retry-after": "0"}, json=problem
+    )
+    handler = Answering(answer)
+    transport = httpx.MockTransport(handler)
+    with (
+        HttpClient("http://h", transport=transport, retries=1, timeout=10) as client,
+        pytest.raises(OverloadedError, match=r"^queue full$") as info,
+    ):
+        client.predict(make_body(0))
+    assert info.value.retry_after == 0.0 and handler.n == 2  # retried once, then raised

@@ -64,6 +64,9 @@ class OverloadedError(InferenceError):
     problem_slug = "overloaded"
     title = "Overloaded"
     http_status = 503
+    #: Seconds the server asked the caller to wait (its ``Retry-After``), where the error came
+    #: from an HTTP answer that carried one (``HttpClient``); otherwise None.
+    retry_after: float | None = None
 
 
 class DeadlineExceededError(OverloadedError):
@@ -103,6 +106,7 @@ def error_for_problem_type(problem_type: str | None, status: int) -> type[Infere
         404: InvalidRequestError,
         413: InvalidRequestError,
         422: InvalidRequestError,
+        429: OverloadedError,  # a gateway's or rate limiter's Too Many Requests: back off
         503: OverloadedError,
     }
     return by_status.get(status, InferenceError)

@@ -50,7 +50,13 @@ except ImportError as exc:  # the one optional package HttpClient needs: say whi
         f"histoinfer) ({exc})"
     ) from exc
 
-from ..errors import ClientClosedError, InferenceError, InvalidRequestError, error_for_problem_type
+from ..errors import (
+    ClientClosedError,
+    InferenceError,
+    InvalidRequestError,
+    OverloadedError,
+    error_for_problem_type,
+)
 from ..schema import Mode, locate, parse_request
 from .arguments import check_count, check_seconds
 from .lifecycle import ClosingContext, InFlight, running_loop_here
@@ -106,7 +112,8 @@ class HttpClient(ClosingContext):
         max_connections: connection pool size (per event loop for async calls); the pool
             httpx gets is no larger than ``max_in_flight``, which is all it can use.
         retries: how many times a request is sent again after a connection error or a
-            502/503/504; 4xx and 500 are never retried.
+            502/503/504; 4xx and 500 are never retried (a gateway's 429 raises
+            ``OverloadedError`` at once, its ``Retry-After`` in the error's ``retry_after``).
         backoff: first retry delay in seconds, doubled each attempt (with jitter).
         max_backoff: cap on one retry delay, including the server's ``Retry-After``.
         max_in_flight: the most requests sent at once per event loop (async calls) and across
@@ -197,7 +204,7 @@ class HttpClient(ClosingContext):
     def metadata(self) -> str:
         url = self._url(f"/api/metadata/{self._model_path}")
         with self._calls.call():
-            return _text(self._send("GET", url, None, {"Accept": _ACCEPT}))
+            return _object_text(self._send("GET", url, None, {"Accept": _ACCEPT}))
 
     def stats(self) -> dict[Mode, StatsSnapshot]:
         """The server's batching statistics for this model, per mode: what
@@ -286,7 +293,7 @@ class HttpClient(ClosingContext):
     def _infer(self, body: str, mode: Mode) -> str:
         with self._calls.call():
             url = self._url(f"/api/{mode}/{self._model_path}")
-            return _text(self._send("POST", url, _encode_body(body), _JSON_HEADERS))
+            return _object_text(self._send("POST", url, _encode_body(body), _JSON_HEADERS))
 
     async def _infer_async(self, body: str, mode: Mode, session: object | None) -> str:
         with self._calls.call():
@@ -297,7 +304,7 @@ class HttpClient(ClosingContext):
                 raise TypeError(f"session must be an httpx.AsyncClient, got {kind}")
             pool = self._loop_pool()
             response = await self._send_async(pool, session, "POST", url, content, _JSON_HEADERS)
-            return _text(response)
+            return _object_text(response)
 
     def _infer_batch(self, bodies: list[str], mode: Mode) -> list[str]:
         with self._calls.call():
@@ -532,7 +539,18 @@ def _retry_after(value: str | None) -> float | None:
 
 
 def _error_from(response: httpx.Response) -> InferenceError:
-    """The exception InProcessClient raises, from a problem+json body: same class, message."""
+    """The exception InProcessClient raises, from a problem+json body: same class, message.
+
+    An ``OverloadedError`` (a 503, or a gateway's 429) carries the answer's ``Retry-After``, in
+    seconds, as its ``retry_after``, for the caller's own back-off.
+    """
+    error = _mapped_error(response)
+    if isinstance(error, OverloadedError):
+        error.retry_after = _retry_after(response.headers.get("retry-after"))
+    return error
+
+
+def _mapped_error(response: httpx.Response) -> InferenceError:
     status = response.status_code
     if response.headers.get("content-type", "").startswith(_PROBLEM_JSON):
         try:
@@ -575,13 +593,38 @@ def _shown(url: httpx.URL) -> httpx.URL:
     return url.copy_with(userinfo=b"") if url.userinfo else url
 
 
+#: JSON's whitespace (RFC 8259), which may come before the ``{`` of an object.
+_JSON_SPACE = b" \t\r\n"
+
+
+def _object_text(response: httpx.Response) -> str:
+    """The body of a one-object answer (a tile's response, the metadata), as the server wrote it.
+
+    A 200 that is not a JSON object (a proxy's login page, a captive portal, an ingress routed
+    elsewhere: HTML, text, an empty body) is an error, not the caller's response. Only the first
+    byte that is not whitespace is checked (``{``): this runs on every call, so the body is not
+    parsed again. The content type is not checked: a server of the wire format may omit or
+    mislabel it, and the body is what the caller would parse.
+    """
+    content = response.content
+    if content[:1] != b"{" and content.lstrip(_JSON_SPACE)[:1] != b"{":  # faster than startswith
+        raise _unexpected(response, "a JSON object")
+    try:  # _text, inline: the hot path
+        return content.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _not_utf8(response, exc) from exc
+
+
 def _text(response: httpx.Response) -> str:
     """The body as the server wrote it: histoinfer's answers are UTF-8 (a proxy's may not be)."""
     try:
         return response.content.decode("utf-8")
     except UnicodeDecodeError as exc:
-        where = f"{exc.reason} at offset {exc.start}"
-        raise _unexpected(response, f"a UTF-8 body ({where})") from exc
+        raise _not_utf8(response, exc) from exc
+
+
+def _not_utf8(response: httpx.Response, exc: UnicodeDecodeError) -> InferenceError:
+    return _unexpected(response, f"a UTF-8 body ({exc.reason} at offset {exc.start})")
 
 
 def _encode_body(body: str | bytes) -> bytes:
