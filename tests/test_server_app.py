@@ -6,6 +6,7 @@ Routes, problem+json, 413, 503 on a full queue, readiness while loading, drainin
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import threading
@@ -81,6 +82,57 @@ async def test_problem_json_for_every_kind_of_error(tiny_model):
         assert wrong.headers["allow"] == "GET"
         for path in ("/ping", "/health/ready", "/health/live"):
             assert (await http.head(path)).status_code == (await http.get(path)).status_code
+
+
+async def test_read_only_routes_answer_head_and_name_both_methods_in_a_405(tiny_model):
+    """Regression: HEAD /metrics and /api/metadata were 405s, and a 405 on a health route
+    named HEAD alone (GET and HEAD were two routes)."""
+    async with serving(create_app(fresh_client(tiny_model))) as http:
+        for path in ("/metrics", "/api/metadata/h1", "/api/stats/h1", "/health/ready", "/ping"):
+            r = await http.head(path)
+            assert r.status_code == 200 and r.content == b"", path
+        for path in ("/health/ready", "/health/live", "/ping", "/metrics"):
+            r = await http.post(path, content="{}")
+            assert_problem(r, 405)
+            assert sorted(r.headers["allow"].split(", ")) == ["GET", "HEAD"], path
+
+
+async def test_a_compressed_body_is_415_naming_the_encoding(tiny_model):
+    """Regression: a gzip body was "not valid JSON (expected value at line 1 column 1)"."""
+    async with serving(create_app(fresh_client(tiny_model))) as http:
+        r = await http.post(
+            "/api/predict/h1",
+            content=gzip.compress(make_body(0).encode()),
+            headers={"content-encoding": "gzip"},
+        )
+        p = assert_problem(r, 415)
+        assert "'gzip' is not supported" in p["detail"]
+        assert r.headers["accept-encoding"] == "identity"
+        r = await http.post(
+            "/api/predict/h1", content=make_body(0), headers={"content-encoding": "identity"}
+        )
+        assert r.status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("accept", "ndjson"),
+    [
+        ("application/x-ndjson", True),
+        ("application/json;q=0.5, application/x-ndjson", True),
+        ("application/x-ndjson;q=0, application/json", False),
+        ("application/x-ndjson; q=0.2, application/json", False),
+        ("application/json", False),
+        ("", False),
+    ],
+)
+async def test_the_batch_route_answers_ndjson_only_when_preferred(tiny_model, accept, ndjson):
+    """Regression: any Accept mentioning NDJSON got it, q=0 ("not acceptable") included."""
+    async with serving(create_app(fresh_client(tiny_model))) as http:
+        body = json.dumps([make_body(0), make_body(1)])
+        r = await http.post("/api/embed/h1/batch", content=body, headers={"accept": accept})
+        assert r.status_code == 200
+        kind = "application/x-ndjson" if ndjson else "application/json"
+        assert r.headers["content-type"].startswith(kind)
 
 
 async def test_body_over_the_limit_is_413(tiny_model):

@@ -92,6 +92,9 @@ STR_KEY = "$str"
 NDJSON = "application/x-ndjson"
 
 _JSON = "application/json"
+# The read-only routes answer HEAD too: load balancers and uptime checkers probe with it, and
+# one route for both methods makes a 405's Allow header list both.
+_READ = ["GET", "HEAD"]
 _Answer = TypeVar("_Answer")  # what a route's work gives: one response's JSON, or a list of them
 # Past the limit the rest of the body is read and dropped (up to this much, for up to this
 # long) before answering 413: a client still writing would otherwise see a connection reset
@@ -282,6 +285,13 @@ async def read_body(request: Request, limit: int) -> bytes:
             await _discard(stream, size)
             raise PayloadTooLargeError(f"request body is over the limit of {limit} bytes")
         chunks.append(chunk)
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding != "identity":  # a gzip body would otherwise be "not valid JSON"
+        raise StarletteHTTPException(
+            415,
+            f"Content-Encoding {encoding!r} is not supported: send the body uncompressed",
+            headers={"Accept-Encoding": "identity"},
+        )
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
@@ -397,6 +407,27 @@ def _wrapped_body(item: dict[str, Any]) -> Any:
     return item
 
 
+def _prefers_ndjson(accept: str) -> bool:
+    """Whether an ``Accept`` header asks for NDJSON over a JSON list: listed with a quality
+    above 0, and at least that of ``application/json`` if that is listed too."""
+    if NDJSON not in accept:  # the usual case, decided without parsing
+        return False
+    quality: dict[str, float] = {}
+    for media_range in accept.split(","):
+        kind, *parameters = (part.strip() for part in media_range.split(";"))
+        q = 1.0
+        for parameter in parameters:
+            name, _, value = parameter.partition("=")
+            if name.strip().lower() == "q":
+                try:
+                    q = float(value)
+                except ValueError:
+                    q = 0.0
+        quality[kind.lower()] = q
+    ndjson = quality.get(NDJSON, 0.0)
+    return ndjson > 0 and ndjson >= quality.get(_JSON, 0.0)
+
+
 def _json(text: str) -> Response:
     return Response(content=text, media_type=_JSON)
 
@@ -506,8 +537,9 @@ def create_app(
 
     request_schema = ModelRequest.model_json_schema()
 
-    @app.get(
+    @app.api_route(
         "/api/metadata/{model}",
+        methods=_READ,
         tags=["inference"],
         response_class=Response,
         responses={200: {"model": ModelMetadata}, **_docs(404, 503)},
@@ -516,7 +548,9 @@ def create_app(
         """The model's metadata (SPEC §3.3), with the batching settings in force."""
         return _json(state.client(model).metadata())
 
-    @app.get("/api/stats/{model}", tags=["inference"], responses={**_docs(404, 503)})
+    @app.api_route(
+        "/api/stats/{model}", methods=_READ, tags=["inference"], responses={**_docs(404, 503)}
+    )
     async def stats(model: str) -> JSONResponse:
         """The model's batching statistics per mode, as ``InProcessClient.stats()`` gives them
         in-process (``HttpClient.stats()`` reads them): batches, samples, the batch-size
@@ -607,7 +641,7 @@ def create_app(
         run = partial(
             client.infer_batch, bodies, checked, check_cancelled=anyio.from_thread.check_cancelled
         )
-        ndjson = NDJSON in request.headers.get("accept", "")
+        ndjson = _prefers_ndjson(request.headers.get("accept", ""))
         return await watched(
             request, partial(anyio.to_thread.run_sync, run), _ndjson if ndjson else _json_list
         )
@@ -647,26 +681,22 @@ def create_app(
             content["errors"] = errors
         return JSONResponse(content, status_code=200 if state.ready else 503)
 
-    # HEAD too: load balancers and uptime checkers probe with it.
-    @app.get("/health/ready", tags=["health"])
-    @app.head("/health/ready", include_in_schema=False)
+    @app.api_route("/health/ready", methods=_READ, tags=["health"])
     async def health_ready() -> JSONResponse:
         """200 once every model is loaded and warmed up; 503 while loading or draining."""
         return readiness()
 
-    @app.get("/ping", tags=["health"])
-    @app.head("/ping", include_in_schema=False)
+    @app.api_route("/ping", methods=_READ, tags=["health"])
     async def ping() -> JSONResponse:
         """SageMaker's health check: the same as ``/health/ready``."""
         return readiness()
 
-    @app.get("/health/live", tags=["health"])
-    @app.head("/health/live", include_in_schema=False)
+    @app.api_route("/health/live", methods=_READ, tags=["health"])
     async def health_live() -> JSONResponse:
         """200 while the process serves HTTP, even while models load."""
         return JSONResponse({"status": "alive"})
 
-    @app.get("/metrics", tags=["health"], response_class=Response)
+    @app.api_route("/metrics", methods=_READ, tags=["health"], response_class=Response)
     async def metrics() -> Response:
         """Prometheus text: batches, batch sizes, queue depth and wait, forward time, errors."""
         return Response(render_metrics(state.registry), media_type=CONTENT_TYPE_LATEST)
