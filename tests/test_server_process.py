@@ -18,6 +18,7 @@ import anyio
 import httpx
 import pytest
 from helpers import make_body, outputs_close, request_dict
+from prometheus_client.parser import text_string_to_metric_families
 from test_server_support import HERE, SRC, free_port, serve
 
 from histoinfer import HttpClient
@@ -75,10 +76,12 @@ def test_hypercorn_on_trio_batches_concurrent_trio_calls(trio_server, reference)
 
 
 def in_flight(base_url: str) -> float:
-    for line in httpx.get(base_url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("histoinfer_http_requests_in_flight "):
-            return float(line.split()[1])
-    raise AssertionError("no in-flight gauge in /metrics")
+    """Inference requests in flight: on every route but the scrape's, probes' and polls'."""
+    text = httpx.get(base_url + "/metrics", timeout=10).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    gauge = families["histoinfer_http_requests_in_flight"]
+    inference = ("/api/{mode}/{model}", "/api/{mode}/{model}/batch", "/invocations")
+    return sum(s.value for s in gauge.samples if s.labels["route"] in inference)
 
 
 @pytest.mark.parametrize(

@@ -92,9 +92,7 @@ STR_KEY = "$str"
 NDJSON = "application/x-ndjson"
 
 _JSON = "application/json"
-# The read-only routes answer HEAD too: load balancers and uptime checkers probe with it, and
-# one route for both methods makes a 405's Allow header list both.
-_READ = ["GET", "HEAD"]
+_Endpoint = TypeVar("_Endpoint", bound=Callable[..., Any])
 _Answer = TypeVar("_Answer")  # what a route's work gives: one response's JSON, or a list of them
 # Past the limit the rest of the body is read and dropped (up to this much, for up to this
 # long) before answering 413: a client still writing would otherwise see a connection reset
@@ -537,9 +535,18 @@ def create_app(
 
     request_schema = ModelRequest.model_json_schema()
 
-    @app.api_route(
+    def read_only(path: str, **documented: Any) -> Callable[[_Endpoint], _Endpoint]:
+        """A GET route, documented, that answers HEAD too (load balancers and uptime checkers
+        probe with it; one route for both would document each operation twice)."""
+
+        def register(endpoint: _Endpoint) -> _Endpoint:
+            app.get(path, **documented)(endpoint)
+            return app.head(path, include_in_schema=False)(endpoint)
+
+        return register
+
+    @read_only(
         "/api/metadata/{model}",
-        methods=_READ,
         tags=["inference"],
         response_class=Response,
         responses={200: {"model": ModelMetadata}, **_docs(404, 503)},
@@ -548,9 +555,7 @@ def create_app(
         """The model's metadata (SPEC §3.3), with the batching settings in force."""
         return _json(state.client(model).metadata())
 
-    @app.api_route(
-        "/api/stats/{model}", methods=_READ, tags=["inference"], responses={**_docs(404, 503)}
-    )
+    @read_only("/api/stats/{model}", tags=["inference"], responses={**_docs(404, 503)})
     async def stats(model: str) -> JSONResponse:
         """The model's batching statistics per mode, as ``InProcessClient.stats()`` gives them
         in-process (``HttpClient.stats()`` reads them): batches, samples, the batch-size
@@ -681,22 +686,22 @@ def create_app(
             content["errors"] = errors
         return JSONResponse(content, status_code=200 if state.ready else 503)
 
-    @app.api_route("/health/ready", methods=_READ, tags=["health"])
+    @read_only("/health/ready", tags=["health"])
     async def health_ready() -> JSONResponse:
         """200 once every model is loaded and warmed up; 503 while loading or draining."""
         return readiness()
 
-    @app.api_route("/ping", methods=_READ, tags=["health"])
+    @read_only("/ping", tags=["health"])
     async def ping() -> JSONResponse:
         """SageMaker's health check: the same as ``/health/ready``."""
         return readiness()
 
-    @app.api_route("/health/live", methods=_READ, tags=["health"])
+    @read_only("/health/live", tags=["health"])
     async def health_live() -> JSONResponse:
         """200 while the process serves HTTP, even while models load."""
         return JSONResponse({"status": "alive"})
 
-    @app.api_route("/metrics", methods=_READ, tags=["health"], response_class=Response)
+    @read_only("/metrics", tags=["health"], response_class=Response)
     async def metrics() -> Response:
         """Prometheus text: batches, batch sizes, queue depth and wait, forward time, errors."""
         return Response(render_metrics(state.registry), media_type=CONTENT_TYPE_LATEST)

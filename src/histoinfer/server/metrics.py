@@ -2,17 +2,28 @@
 
 The schedulers already keep thread-safe statistics (batch-size histogram, queue wait and forward
 percentiles, errors, live queue depth); a custom collector reads them when Prometheus scrapes,
-so the request path does no extra bookkeeping for metrics. Each app has its own registry: two
-apps in one process (tests, several models) never collide in a global one.
+so the request path does no extra bookkeeping for metrics beyond the HTTP counters: a pure ASGI
+middleware counts every response by route, model, mode and status, and observes its duration in
+a histogram, with a few µs of the event loop's CPU a request. Each app has its own registry:
+two apps in one process (tests, several models) never collide in a global one; the process's
+own metrics (``process_*``, ``python_*``) are read into it too.
 """
 
 from __future__ import annotations
 
+import time
+from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, TypeVar
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    GCCollector,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -22,35 +33,155 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ..schema import MODES
+
 if TYPE_CHECKING:
     from ..clients.inprocess import InProcessClient
 
-__all__ = ["HttpCounters", "StatsCollector", "render_metrics"]
+__all__ = [
+    "DURATION_BUCKETS",
+    "OTHER_ROUTE",
+    "UNKNOWN",
+    "HttpCounters",
+    "StatsCollector",
+    "render_metrics",
+]
 
 _F = TypeVar("_F", bound=Metric)
 _QUANTILES = (("p50", "0.5"), ("p95", "0.95"), ("p99", "0.99"))
 
-# Only these paths count as inference traffic (health checks and scrapes are not load).
-_INFERENCE_PREFIXES = ("/api/", "/invocations")
+#: Upper bounds (seconds) of ``histoinfer_http_request_duration_seconds``: 1 ms to 60 s.
+DURATION_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0,
+)  # fmt: skip
+_LE = (*(str(b) for b in DURATION_BUCKETS), "+Inf")  # as Go formats them: "0.001", "1.0"
+
+#: The ``route`` label: the app's route templates, never a raw path (a scanner's random paths
+#: would make a new series each); every path that is none of them is ``OTHER_ROUTE``.
+SINGLE_ROUTE = "/api/{mode}/{model}"
+BATCH_ROUTE = "/api/{mode}/{model}/batch"
+METADATA_ROUTE = "/api/metadata/{model}"
+STATS_ROUTE = "/api/stats/{model}"
+INVOCATIONS_ROUTE = "/invocations"
+_FIXED_ROUTES = (INVOCATIONS_ROUTE, "/health/live", "/health/ready", "/ping", "/metrics")
+OTHER_ROUTE = "other"
+#: The ``model`` (``mode``) label of a path naming a model (mode) not served here.
+UNKNOWN = "unknown"
+#: Where requests are in flight or were answered: (route, model, mode); "" where the path names
+#: no model or mode (``/invocations`` names them in its body, which is not parsed for this).
+_Key = tuple[str, str, str]
+_LABELS = ["route", "model", "mode"]
+
+
+class _Series:
+    """One (route, model, mode)'s requests in flight, responses by status, and durations."""
+
+    __slots__ = ("buckets", "in_flight", "key", "statuses", "total")
+
+    def __init__(self, key: _Key) -> None:
+        self.key = key
+        self.in_flight = 0
+        self.statuses: dict[int, int] = {}
+        self.buckets = [0] * (len(DURATION_BUCKETS) + 1)  # per bucket, not cumulative; +Inf last
+        self.total = 0.0  # seconds
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        out, running = [], 0
+        for le, n in zip(_LE, self.buckets, strict=True):
+            running += n
+            out.append((le, float(running)))
+        return out
 
 
 class HttpCounters:
-    """In-flight inference requests and responses by status, kept by a pure ASGI middleware.
+    """Every HTTP request in flight, responded to (by status) and timed, by (route, model,
+    mode), kept by a pure ASGI middleware.
 
-    Updated only on the server's event loop, so plain ints need no lock.
+    Updated only on the server's event loop, so plain ints need no lock. The labels of a path
+    are one dict lookup for every path the app answers (the table is built from the served
+    models), a split of the path for the rest; there are at most ``routes × (models + 2) ×
+    (modes + 2)`` series, whatever paths clients send.
     """
 
-    def __init__(self) -> None:
-        self.in_flight = 0
-        self.responses: Counter[int] = Counter()
+    def __init__(self, models: Iterable[str] | None = None) -> None:
+        #: The served models' names, or None until :meth:`serve` names them (every model
+        #: label is then ``unknown``).
+        self.models: frozenset[str] | None = None
+        self._series: dict[_Key, _Series] = {}
+        self._by_path: dict[str, _Series] = {}  # the exact paths of the served routes
+        if models is not None:
+            self.serve(models)
+
+    def serve(self, models: Iterable[str]) -> None:
+        """Name the models served, whose names become ``model`` label values."""
+        self.models = frozenset(models)
+        table = {route: ("", "") for route in _FIXED_ROUTES}
+        for model in self.models:
+            table[f"/api/metadata/{model}"] = (model, "")
+            table[f"/api/stats/{model}"] = (model, "")
+            for mode in MODES:
+                table[f"/api/{mode}/{model}"] = (model, mode)
+                table[f"/api/{mode}/{model}/batch"] = (model, mode)
+        self._by_path.clear()  # in place: the middleware holds this dict
+        for path in table:
+            self._by_path[path] = self._labelled(path)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests in flight now, on every route."""
+        return sum(s.in_flight for s in list(self._series.values()))
+
+    @property
+    def responses(self) -> Counter[int]:
+        """Responses sent by status, on every route."""
+        out: Counter[int] = Counter()
+        for series in list(self._series.values()):
+            out.update(series.statuses)
+        return out
+
+    def series(self) -> list[_Series]:
+        """The series with a request so far, sorted by label values."""
+        return sorted(
+            (s for s in list(self._series.values()) if s.in_flight or s.statuses),
+            key=lambda s: s.key,
+        )
+
+    def _labelled(self, path: str) -> _Series:
+        """The series of a path not in the table of served paths (or while building it)."""
+        key = self._labels(path)
+        series = self._series.get(key)
+        if series is None:
+            series = self._series[key] = _Series(key)
+        return series
+
+    def _labels(self, path: str) -> _Key:
+        if path in _FIXED_ROUTES:
+            return (path, "", "")
+        parts = path.split("/")  # "/api/predict/h1/batch": ["", "api", "predict", "h1", "batch"]
+        n = len(parts)
+        if not (n == 4 or (n == 5 and parts[4] == "batch")) or parts[:2] != ["", "api"]:
+            return (OTHER_ROUTE, "", "")
+        first, model = parts[2], parts[3]
+        if not first or not model:
+            return (OTHER_ROUTE, "", "")
+        model = model if self.models is not None and model in self.models else UNKNOWN
+        if n == 4 and first in ("metadata", "stats"):
+            return (METADATA_ROUTE if first == "metadata" else STATS_ROUTE, model, "")
+        mode = first if first in MODES else UNKNOWN
+        return (SINGLE_ROUTE if n == 4 else BATCH_ROUTE, model, mode)
 
     def middleware(self, app: ASGIApp) -> ASGIApp:
-        counters = self
+        by_path, labelled = self._by_path, self._labelled
+        clock, bounds = time.perf_counter, DURATION_BUCKETS
 
         async def counting(scope: Scope, receive: Receive, send: Send) -> None:
-            if scope["type"] != "http" or not scope["path"].startswith(_INFERENCE_PREFIXES):
+            if scope["type"] != "http":
                 await app(scope, receive, send)
                 return
+            path = _route_path(scope) if scope.get("root_path") else scope["path"]
+            series = by_path.get(path)
+            if series is None:
+                series = labelled(path)
             status = 500
 
             async def send_status(message: Message) -> None:
@@ -59,14 +190,31 @@ class HttpCounters:
                     status = message["status"]
                 await send(message)
 
-            counters.in_flight += 1
+            series.in_flight += 1
+            start = clock()
             try:
                 await app(scope, receive, send_status)
             finally:
-                counters.in_flight -= 1
-                counters.responses[status] += 1
+                elapsed = clock() - start
+                series.in_flight -= 1
+                statuses = series.statuses
+                statuses[status] = statuses.get(status, 0) + 1
+                series.buckets[bisect_left(bounds, elapsed)] += 1
+                series.total += elapsed
 
         return counting
+
+
+def _route_path(scope: Scope) -> str:
+    """The path the router matches: the request's, less the app's ``root_path`` (servers put
+    it in front, as Starlette's ``get_route_path`` takes it off)."""
+    path: str = scope["path"]
+    root: str = scope["root_path"]
+    if path == root:
+        return ""
+    if path.startswith(root) and path[len(root)] == "/":
+        return path[len(root) :]
+    return path
 
 
 def _bucket_bounds(largest: int) -> list[int]:
@@ -83,9 +231,20 @@ class StatsCollector(Collector):
         self,
         clients: Callable[[], Mapping[str, InProcessClient | None]],
         http: HttpCounters,
+        *,
+        runtime: bool = True,
     ) -> None:
         self._clients = clients
         self._http = http
+        if http.models is None:  # its model labels are the models served here
+            http.serve(clients())
+        #: The process's and interpreter's metrics (``process_*`` where /proc is, on Linux;
+        #: ``python_info``; ``python_gc_*`` on CPython), read in with the app's own.
+        self._runtime = CollectorRegistry(auto_describe=False)
+        if runtime:
+            ProcessCollector(registry=self._runtime)
+            PlatformCollector(registry=self._runtime)
+            GCCollector(registry=self._runtime)
 
     def collect(self) -> Iterable[Metric]:
         c, g = CounterMetricFamily, GaugeMetricFamily
@@ -130,17 +289,34 @@ class StatsCollector(Collector):
                 for kind, count in snap.error_kinds.items():
                     error_kinds.add_metric([*key, kind], count)
                 cancelled.add_metric(key, snap.cancelled)
-        in_flight = GaugeMetricFamily(
-            "histoinfer_http_requests_in_flight", "Inference requests being served now."
-        )
-        in_flight.add_metric([], self._http.in_flight)
-        responses = CounterMetricFamily(
-            "histoinfer_http_responses", "Inference responses sent, by status.", labels=["status"]
-        )
-        for status, count in sorted(self._http.responses.items()):
-            responses.add_metric([str(status)], count)
         yield from (ready, batches, samples, batch_size, depth, queue_wait, forward, busy)
-        yield from (errors, error_kinds, cancelled, in_flight, responses)
+        yield from (errors, error_kinds, cancelled, *self._http_families())
+        yield from self._runtime.collect()
+
+    def _http_families(self) -> tuple[Metric, ...]:
+        in_flight = GaugeMetricFamily(
+            "histoinfer_http_requests_in_flight",
+            "HTTP requests being served now, by route template, model and mode.",
+            labels=_LABELS,
+        )
+        responses = CounterMetricFamily(
+            "histoinfer_http_responses",
+            "HTTP responses sent, by route template, model, mode and status.",
+            labels=[*_LABELS, "status"],
+        )
+        duration = HistogramMetricFamily(
+            "histoinfer_http_request_duration_seconds",
+            "HTTP request duration, from the app receiving the request until it has sent the "
+            "response, by route template, model and mode.",
+            labels=_LABELS,
+        )
+        for series in self._http.series():
+            key = list(series.key)
+            in_flight.add_metric(key, series.in_flight)
+            for status, count in sorted(series.statuses.items()):
+                responses.add_metric([*key, str(status)], count)
+            duration.add_metric(key, series.cumulative(), sum_value=series.total)
+        return in_flight, responses, duration
 
 
 def _per_mode(kind: Callable[..., _F], name: str, doc: str, *extra: str) -> _F:

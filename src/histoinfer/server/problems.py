@@ -18,6 +18,7 @@ from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
+from starlette.routing import Match
 
 from ..errors import InferenceError, InvalidRequestError, OverloadedError
 
@@ -98,6 +99,17 @@ def error_response(exc: InferenceError, retry_after: int) -> Response:
 CLIENT_CLOSED_REQUEST = 499
 
 
+def _allowed_methods(request: Request) -> set[str]:
+    """Every method some route takes at this path but not with this method. Starlette's 405
+    names those of the first such route only (GET and HEAD on one path are two routes here)."""
+    allowed: set[str] = set()
+    for route in request.app.router.routes:
+        methods = getattr(route, "methods", None)
+        if methods and route.matches(request.scope)[0] == Match.PARTIAL:
+            allowed |= methods
+    return allowed
+
+
 def install_problem_handlers(app: FastAPI, retry_after: int) -> None:
     """Render every error as problem+json: ours, Starlette's (404, 405) and unexpected ones."""
 
@@ -113,6 +125,10 @@ def install_problem_handlers(app: FastAPI, retry_after: int) -> None:
             detail = f"no route for {request.method} {request.url.path}"
         response = problem_response(exc.status_code, phrase, detail)
         response.headers.update(exc.headers or {})
+        if exc.status_code == 405:
+            allowed = _allowed_methods(request)
+            if allowed:
+                response.headers["Allow"] = ", ".join(sorted(allowed))
         return response
 
     async def validation_error(request: Request, exc: Exception) -> Response:
