@@ -135,6 +135,49 @@ def test_every_subcommand_takes_debug_before_or_after_it(argv: list[str]) -> Non
     assert parse(["--debug", *argv, "--debug"]).debug is True
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["metadata", "--checkpoint", "x.pt2"],
+        ["serve", "--model", "h1", "--checkpoint", "x.pt2"],
+    ],
+)
+def test_the_commands_that_take_a_registry_key_take_import(argv: list[str]) -> None:
+    """``--import MODULE``, repeatable, in order: a user's module registers its model."""
+    from histoinfer.cli import _configure_plugin, build_parser
+
+    words = [*argv, "--import", "mine.models", "--import", "other.py"]
+    parser = build_parser()
+    assert _configure_plugin(parser, words) is None
+    assert parser.parse_args(words).imports == ["mine.models", "other.py"]
+    parser = build_parser()
+    _configure_plugin(parser, argv)
+    assert parser.parse_args(argv).imports is None
+
+
+@pytest.mark.parametrize("argv", [["export", "h1", "--out", "x"], ["demo"], ["bench", "--quick"]])
+def test_the_reference_model_commands_do_not_take_import(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """They build or run the reference h1 only: an imported model could not change that."""
+    with pytest.raises(SystemExit) as info:
+        main([*argv, "--import", "mine"])
+    assert info.value.code == 2 and "--import" in capsys.readouterr().err
+
+
+def test_an_unknown_key_says_how_to_use_a_model_of_ones_own(
+    tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for argv in (
+        ["metadata", "--model", "my-key", "--checkpoint", str(tiny_checkpoint)],
+        ["serve", "--model", "my-key", "--checkpoint", str(tiny_checkpoint), "--port", "0"],
+    ):
+        code, _, err = run(argv, capsys)
+        assert_one_line_error(
+            code, err, "--model my-key: unknown model 'my-key'", "--import the module"
+        )
+
+
 def test_debug_is_not_recorded_as_a_bench_option() -> None:
     """``histoinfer bench`` writes the command that reproduces its run: --debug is no part."""
     from histoinfer.bench.cli import _canonical_command

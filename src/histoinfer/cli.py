@@ -71,6 +71,93 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_import_option(parser: argparse.ArgumentParser) -> None:
+    """``--import MODULE``, for a command that looks up a registry key (``metadata``,
+    ``serve``): the module that registers a model of the user's own is imported first."""
+    parser.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        default=None,
+        metavar="MODULE",
+        help="import MODULE first: a module that registers a model with "
+        "@histoinfer.register_model, by dotted name (found from the current directory, as "
+        "with python -m) or as a path to a .py file; repeatable",
+    )
+
+
+def import_modules(names: Sequence[str] | None) -> None:
+    """Import each ``--import`` module, in order; one that fails is a :class:`CommandError`
+    naming it and its exception (chained to it, for ``--debug``'s traceback)."""
+    for name in names or ():
+        try:
+            _import_one(name)
+        except CommandError:
+            raise
+        except Exception as exc:
+            why = " ".join(str(exc).split())
+            raise CommandError(
+                f"--import {name} failed: {type(exc).__name__}{': ' + why if why else ''}"
+            ) from exc
+
+
+def _import_one(name: str) -> None:
+    importlib.invalidate_caches()  # a module written since this process started is found
+    if name.endswith(".py"):
+        _import_file(name)
+        return
+    # As with `python -m`: modules in the current directory are importable (a console
+    # script's sys.path starts with its own bin directory instead).
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+    importlib.import_module(name)
+
+
+def _import_file(name: str) -> None:
+    """Import the file ``name`` as the module named after its stem, with its directory on
+    ``sys.path`` (as ``python FILE`` has it), so it can import the modules beside it."""
+    import importlib.util
+
+    path = Path(name).resolve()
+    if not path.is_file():
+        raise CommandError(f"--import {name}: no such file")
+    module_name = path.stem
+    loaded = sys.modules.get(module_name)
+    if loaded is not None:
+        loaded_from = getattr(loaded, "__file__", None)
+        if loaded_from is not None and Path(loaded_from).resolve() == path:
+            return  # given twice, or imported already by another --import
+        raise CommandError(
+            f"--import {name}: a module named {module_name!r} is already imported "
+            f"(from {loaded_from or 'the interpreter'}); rename the file"
+        )
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:  # pragma: no cover - a .py file always has one
+        raise CommandError(f"--import {name}: not a Python module")
+    module = importlib.util.module_from_spec(spec)
+    directory = str(path.parent)
+    if directory not in sys.path:
+        sys.path.insert(0, directory)
+    sys.modules[module_name] = module  # as an import does: the module can import itself
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[module_name]
+        raise
+
+
+def unknown_model(option: str, exc: Exception) -> CommandError:
+    """An unknown registry key, with how to use a model of one's own (ModelEntryPointError,
+    a key declared but broken, says what broke instead)."""
+    from .models.registry import ModelEntryPointError
+
+    hint = ""
+    if not isinstance(exc, ModelEntryPointError):
+        hint = " (a model of your own: --import the module that registers it)"
+    return CommandError(f"{option}: {exc}{hint}")
+
+
 def _add_metadata(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("metadata", help="print a checkpoint's metadata as JSON")
     p.add_argument("--model", default="h1", help="registry key (default: h1)")
@@ -79,13 +166,19 @@ def _add_metadata(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument(
         "--device", default="cpu", help="torch device to load it on (default: %(default)s)"
     )
+    add_import_option(p)
     p.set_defaults(func=_cmd_metadata)
 
 
 def _cmd_metadata(args: argparse.Namespace) -> int:
-    from .models import build_server_model
+    from .models.registry import UnknownModelError, model_class
 
-    model = build_server_model(args.model, args.checkpoint, args.device, args.assets)
+    import_modules(args.imports)
+    try:
+        cls = model_class(args.model)
+    except UnknownModelError as exc:
+        raise unknown_model(f"--model {args.model}", exc) from exc
+    model = cls.from_files(args.checkpoint, device=args.device, assets_dir=args.assets)
     print(json.dumps(model.metadata().model_dump(mode="json"), indent=2))
     return 0
 

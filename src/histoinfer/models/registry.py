@@ -1,17 +1,33 @@
-"""The model registry: a key (``"h1"``) names a :class:`ServerModel` subclass."""
+"""The model registry: a key (``"h1"``) names a :class:`ServerModel` subclass.
+
+Keys come from :func:`register_model` (the built-in ``h1``, and any class a user's module
+registers once imported) and from the ``histoinfer.models`` entry points of installed packages
+(``my-key = "mypkg.models:MyModel"``), each loaded only when its key is first asked for.
+"""
 
 from __future__ import annotations
 
+import importlib.metadata
+import logging
+import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ..errors import InvalidRequestError
+from ..schema import MODES
 from .base import ServerModel
 
-__all__ = ["available_models", "build_server_model", "register_model"]
+__all__ = ["ENTRY_POINT_GROUP", "available_models", "build_server_model", "register_model"]
+
+#: The entry-point group whose entries name a model class: ``KEY = "module:Class"``.
+ENTRY_POINT_GROUP = "histoinfer.models"
+
+log = logging.getLogger(__name__)
 
 _REGISTRY: dict[str, type[ServerModel]] = {}
+# Held while an entry point is loaded: two threads asking for one key import it once.
+_ENTRY_POINT_LOCK = threading.RLock()
 M = TypeVar("M", bound=type[ServerModel])
 
 
@@ -22,10 +38,23 @@ class UnknownModelError(InvalidRequestError, KeyError):
         return str(self.args[0])
 
 
+class ModelEntryPointError(UnknownModelError):
+    """A ``histoinfer.models`` entry point declares the key, but its class cannot be loaded
+    (its module fails to import, it names no :class:`ServerModel` subclass, ...)."""
+
+
 def register_model(key: str) -> Callable[[M], M]:
-    """Class decorator: make ``build_server_model(key, ...)`` build this class."""
+    """Class decorator: make ``build_server_model(key, ...)`` build this class.
+
+    ``key`` must be a non-empty ``str`` without ``/`` or whitespace (it is also the model's
+    default route name); the class must subclass :class:`ServerModel`, and its ``modes`` be a
+    non-empty tuple (or list) of known modes. Anything else is refused here, with a
+    ``TypeError`` or a ``ValueError``, not later at every lookup or load.
+    """
+    _check_key(key)
 
     def decorate(cls: M) -> M:
+        _check_class(key, cls)
         # The built-ins first: a user's class registered under "h1" is refused here, at its
         # decorator, not later inside every lookup (which imports them).
         _load_builtins()
@@ -38,6 +67,56 @@ def register_model(key: str) -> Callable[[M], M]:
     return decorate
 
 
+def _check_key(key: object) -> None:
+    if not isinstance(key, str):
+        raise TypeError(
+            f"register_model: a model key must be a str (e.g. 'my-model'), "
+            f"got {type(key).__name__} {key!r}"
+        )
+    if not key:
+        raise ValueError("register_model: a model key must not be empty")
+    bad = sorted({ch for ch in key if ch == "/" or ch.isspace() or not ch.isprintable()})
+    if bad:
+        raise ValueError(
+            f"register_model: model key {key!r} contains {', '.join(map(repr, bad))}: a key "
+            f"is a route name (/api/predict/KEY), so it must have no '/', whitespace or "
+            f"control characters"
+        )
+
+
+def _check_class(key: str, cls: object) -> None:
+    where = f"register_model({key!r})"
+    if not (isinstance(cls, type) and issubclass(cls, ServerModel)):
+        what = f"class {cls!r}" if isinstance(cls, type) else f"{type(cls).__name__} {cls!r}"
+        raise TypeError(
+            f"{where}: {what} is not a subclass of histoinfer.ServerModel; register a "
+            f"ServerModel subclass (a torch module goes into its checkpoint, not here)"
+        )
+    modes: Any = cls.modes
+    known = ", ".join(map(repr, MODES))
+    if not isinstance(modes, (tuple, list)):  # a str would be taken letter by letter
+        raise TypeError(
+            f"{where}: {cls.__qualname__}.modes must be a tuple of modes, e.g. ('embed',), "
+            f"got {type(modes).__name__} {modes!r}"
+        )
+    if not modes:
+        raise ValueError(
+            f"{where}: {cls.__qualname__}.modes is empty: the model would serve nothing; "
+            f"give at least one of {known}"
+        )
+    unknown = [mode for mode in modes if mode not in MODES]
+    if unknown:
+        raise ValueError(
+            f"{where}: {cls.__qualname__}.modes has unknown mode(s) "
+            f"{', '.join(map(repr, unknown))}; the modes are {known}"
+        )
+    twice = sorted({mode for mode in modes if modes.count(mode) > 1})
+    if twice:
+        raise ValueError(
+            f"{where}: {cls.__qualname__}.modes names {', '.join(map(repr, twice))} twice"
+        )
+
+
 def _same_definition(registered: type[ServerModel], cls: type[ServerModel]) -> bool:
     """The same class, or a class defined again where it was (a notebook cell run twice, a
     module reloaded): the new definition replaces the old one."""
@@ -47,20 +126,69 @@ def _same_definition(registered: type[ServerModel], cls: type[ServerModel]) -> b
 
 
 def available_models() -> list[str]:
-    """The registry keys :func:`build_server_model` accepts (the built-in ``h1``, and every
-    class registered with :func:`register_model`), sorted."""
+    """The registry keys :func:`build_server_model` accepts (the built-in ``h1``, every class
+    registered with :func:`register_model`, and every key an installed package declares in
+    the ``histoinfer.models`` entry-point group, not loaded until asked for), sorted."""
     _load_builtins()
-    return sorted(_REGISTRY)
+    return sorted(set(_REGISTRY) | {entry.name for entry in _entry_points()})
 
 
 def model_class(key: str) -> type[ServerModel]:
+    """The class registered as ``key``, loading its entry point if a package declares it.
+
+    Raises :class:`UnknownModelError` for a key nothing declares, and
+    :class:`ModelEntryPointError` (a subclass) for one whose entry point fails to load.
+    """
     _load_builtins()
+    registered = _REGISTRY.get(key)
+    if registered is not None:
+        return registered
+    with _ENTRY_POINT_LOCK:
+        registered = _REGISTRY.get(key)  # loaded by another thread meanwhile
+        if registered is not None:
+            return registered
+        declared = [entry for entry in _entry_points() if entry.name == key]
+        if declared:
+            return _load_entry_point(key, declared)
+    raise UnknownModelError(
+        f"unknown model {key!r}; available models: {', '.join(available_models()) or 'none'}"
+    )
+
+
+def _entry_points() -> list[importlib.metadata.EntryPoint]:
+    """The installed ``histoinfer.models`` entry points (read on each call: cheap next to a
+    model's load, and a package installed meanwhile is seen)."""
     try:
-        return _REGISTRY[key]
-    except KeyError:
-        raise UnknownModelError(
-            f"unknown model {key!r}; available models: {', '.join(available_models()) or 'none'}"
-        ) from None
+        return list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
+    except Exception:  # a distribution's broken metadata must not break the built-in keys
+        log.warning("could not read the %r entry points", ENTRY_POINT_GROUP, exc_info=True)
+        return []
+
+
+def _load_entry_point(key: str, declared: list[importlib.metadata.EntryPoint]) -> type[ServerModel]:
+    values = sorted({entry.value for entry in declared})
+    if len(values) > 1:
+        raise ModelEntryPointError(
+            f"model {key!r} is declared by several {ENTRY_POINT_GROUP!r} entry points: "
+            f"{', '.join(f'{_describe(e)}' for e in declared)}; uninstall all but one"
+        )
+    entry = declared[0]
+    try:
+        cls = entry.load()
+        register_model(key)(cls)
+    except Exception as exc:
+        why = " ".join(str(exc).split())
+        raise ModelEntryPointError(
+            f"model {key!r}: its entry point {_describe(entry)} failed to load: "
+            f"{type(exc).__name__}{': ' + why if why else ''}"
+        ) from exc
+    return _REGISTRY[key]
+
+
+def _describe(entry: importlib.metadata.EntryPoint) -> str:
+    dist = getattr(entry, "dist", None)
+    source = f", from {dist.name} {dist.version}" if dist is not None else ""
+    return f"{entry.value!r} ({ENTRY_POINT_GROUP}{source})"
 
 
 def build_server_model(

@@ -22,7 +22,7 @@ from typing import Any
 
 import anyio
 
-from ..cli import CommandError
+from ..cli import CommandError, add_import_option, import_modules, unknown_model
 from ..clients.inprocess import InProcessClient
 from ..models.registry import UnknownModelError, model_class
 from .app import ClientSource, ServerState, create_app
@@ -49,6 +49,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     add("--checkpoint", action="append", type=Path, required=True, help="the .pt2, per --model")
     add("--assets", action="append", type=Path, help="assets dir per --model (default: beside it)")
+    add_import_option(parser)
     add("--device", default="cpu", help="torch device (default: cpu); one process per GPU")
     add("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     add("--port", type=_port, default=8080, help="port to bind (default: 8080)")
@@ -184,7 +185,7 @@ def model_sources(args: argparse.Namespace) -> dict[str, ClientSource]:
         try:
             model_class(key)  # an unknown key is refused before the port is bound
         except UnknownModelError as exc:
-            raise CommandError(f"--model {spec}: {exc}") from None
+            raise unknown_model(f"--model {spec}", exc) from exc
         sources[name] = partial(
             InProcessClient.from_checkpoint,
             key,
@@ -204,6 +205,7 @@ def model_sources(args: argparse.Namespace) -> dict[str, ClientSource]:
 def run(args: argparse.Namespace) -> int:
     if args.server == "uvicorn" and args.backend == "trio":
         raise CommandError("uvicorn runs on asyncio only; use --server hypercorn --backend trio")
+    import_modules(args.imports)  # before the keys are looked up: they may register them
     sources = model_sources(args)
     _check_bindable(args.host, args.port)
     logging.getLogger("histoinfer").setLevel(args.log_level.upper())
