@@ -544,6 +544,41 @@ async def test_a_model_refusing_the_warm_up_request_is_warmed_up_and_served(
     assert any("warm-up" in m and "refused" in m for m in caplog.messages), caplog.messages
 
 
+@pytest.mark.parametrize("cancel", [True, False], ids=["watched", "opted-out"])
+@pytest.mark.parametrize("path", ["/api/predict/h1", "/api/predict/h1/batch"])
+async def test_requests_in_flight_when_the_graceful_timeout_runs_out_get_503_closed(
+    tiny_model, path, cancel
+):
+    """expire_in_flight (the CLI calls it just before the graceful timeout): every request in
+    flight is answered 503 closed with Retry-After, not cut off by the server."""
+    model, watch, gate = gated_model(tiny_model)
+    app = create_app(fresh_client(model), warmup=False, cancel_on_disconnect=cancel)
+    body = json.dumps([make_body(i) for i in range(16)]) if "batch" in path else make_body(0)
+    async with serving(app) as http:
+        state: ServerState = app.state.histoinfer
+        answers: list[httpx.Response] = []
+
+        async def call() -> None:
+            answers.append(await http.post(path, content=body))
+
+        try:
+            with anyio.fail_after(30):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(call)
+                    while watch.calls < 1:  # in its pass, held at the gate
+                        await anyio.sleep(0.01)
+                    state.expire_in_flight()
+                    await anyio.wait_all_tasks_blocked()
+                    gate.set()
+        finally:
+            gate.set()
+        p = assert_problem(answers[0], 503, "closed")
+        assert "graceful timeout ran out" in p["detail"] and "retry-after" in answers[0].headers
+        assert watch.calls == 1  # a batch stopped before its second pass
+        assert not state.in_flight
+        assert (await http.get("/health/ready")).status_code == 503
+
+
 async def test_draining_refuses_new_requests(tiny_model):
     app = create_app(fresh_client(tiny_model))
     async with serving(app) as http:

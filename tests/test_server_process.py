@@ -129,6 +129,75 @@ def test_sigterm_lets_in_flight_requests_finish_and_refuses_new_ones(tiny_checkp
         assert "start-up heap frozen" in server.output()  # once the models were loaded
 
 
+SERVERS = pytest.mark.parametrize(
+    "server_args",
+    [["--server", "uvicorn"], ["--server", "hypercorn", "--backend", "trio"]],
+    ids=["uvicorn", "hypercorn-trio"],
+)
+
+
+def post_in_thread(url: str, body: str) -> tuple[threading.Thread, dict[str, Any]]:
+    """POST ``body`` from a thread; its response (or error) lands in the dict."""
+    outcome: dict[str, Any] = {}
+
+    def post() -> None:
+        try:
+            outcome["response"] = httpx.post(url, content=body, timeout=60)
+        except Exception as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=post)
+    thread.start()
+    return thread, outcome
+
+
+def wait_in_flight(server: ServerProcess, n: int) -> None:
+    deadline = time.monotonic() + 30
+    while in_flight(server.base_url) < n:
+        assert time.monotonic() < deadline, "the requests never arrived"
+        time.sleep(0.02)
+
+
+@SERVERS
+def test_requests_outlasting_the_graceful_timeout_are_answered_503_closed(
+    tiny_checkpoint, server_args
+):
+    """Regression: the server cancelled their handlers itself (uvicorn: 500 text/plain, hypercorn:
+    a bare 500 or a dropped connection), and HttpClient does not retry a 500."""
+    args = ["--model", "h1=h1-slow", "--checkpoint", str(tiny_checkpoint), *server_args]
+    with serve([*args, "--graceful-timeout", "1"], script=True) as server:
+        url = server.base_url + "/api/predict/h1"
+        thread, outcome = post_in_thread(url, make_body(1, slide_name="slow-8"))
+        wait_in_flight(server, 1)
+        server.terminate()
+        thread.join(60)
+        assert "error" not in outcome, outcome.get("error")
+        response = outcome["response"]
+        assert response.status_code == 503, response.text
+        assert response.json()["type"].endswith("/closed")
+        assert "graceful timeout ran out" in response.json()["detail"]
+        assert response.headers["retry-after"] == "1"
+        assert server.proc.wait(timeout=60) in (0, -signal.SIGTERM), server.output()
+
+
+@SERVERS
+def test_during_the_drain_delay_readiness_fails_and_requests_are_served(
+    tiny_checkpoint, server_args
+):
+    """--drain-delay: load balancers see readiness fail (and stop sending) while what they
+    already sent is served; before it, the listening socket closed within ~50 ms of SIGTERM,
+    so a balancer never saw the 503 and met refused connections instead."""
+    args = ["--model", "h1", "--checkpoint", str(tiny_checkpoint), *server_args]
+    with serve([*args, "--drain-delay", "3"], script=True) as server:
+        server.terminate()
+        time.sleep(0.3)
+        ready = httpx.get(server.base_url + "/health/ready", timeout=10)  # a new connection
+        assert ready.status_code == 503 and ready.json()["status"] == "draining"
+        r = httpx.post(server.base_url + "/api/predict/h1", content=make_body(1), timeout=30)
+        assert r.status_code == 200, r.text
+        assert server.proc.wait(timeout=60) in (0, -signal.SIGTERM), server.output()
+
+
 def test_cli_argument_errors(tiny_checkpoint, capsys):
     one = ["--model", "h1", "--checkpoint", str(tiny_checkpoint)]
     cases = {

@@ -137,7 +137,17 @@ class ServerState:
         self.retry_after = retry_after
         self.warmup = warmup
         self.cancel_on_disconnect = cancel_on_disconnect
+        #: Readiness fails (load balancers move away) but requests are still served: the
+        #: CLI's --drain-delay, between SIGTERM and draining.
+        self.stopping = False
+        #: New requests are refused (503 ``closed``); those in flight go on.
         self.draining = False
+        #: The graceful timeout is about to run out: requests still in flight are cancelled
+        #: and answered 503 ``closed`` (retry elsewhere), not cut off by the server.
+        self.out_of_time = False
+        #: The cancel scopes of the requests in flight that can be cancelled (the hang-up
+        #: watch's): what :meth:`expire_in_flight` cancels.
+        self.in_flight: set[anyio.CancelScope] = set()
         #: Called (on the event loop) if a model fails to load: the CLI stops the server.
         self.on_fatal: Callable[[], None] | None = None
         #: Called (on the event loop) once loading is over, every model ready or failed, unless
@@ -164,7 +174,9 @@ class ServerState:
 
     @property
     def ready(self) -> bool:
-        return not self.draining and all(m.status == "ready" for m in self.models.values())
+        return not (self.stopping or self.draining) and all(
+            m.status == "ready" for m in self.models.values()
+        )
 
     def loaded_clients(self) -> dict[str, InProcessClient | None]:
         return {
@@ -172,9 +184,24 @@ class ServerState:
             for name, m in self.models.items()
         }
 
+    def begin_stopping(self) -> None:
+        """Fail readiness, and go on serving: load balancers see the 503 and move away while
+        requests they already sent here are still answered (the CLI's ``--drain-delay``)."""
+        self.stopping = True
+
     def begin_drain(self) -> None:
         """Refuse new requests (503 ``closed``) and fail readiness; in-flight ones go on."""
-        self.draining = True
+        self.stopping = self.draining = True
+
+    def expire_in_flight(self) -> None:
+        """Cancel the requests still in flight, each answered 503 ``closed`` with
+        ``Retry-After`` (``HttpClient`` retries it): called just before the server's graceful
+        timeout runs out, which would otherwise cut them off with a bare 500 or a dropped
+        connection. Queued ones leave their queue; a ``/batch`` stops before its next pass."""
+        self.begin_drain()
+        self.out_of_time = True
+        for scope in list(self.in_flight):
+            scope.cancel()
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -309,41 +336,69 @@ async def _discard(stream: AsyncIterator[bytes], already: int) -> None:
 CLIENT_CLOSED = 499
 
 
-async def _unless_disconnected(
+async def _in_flight(
     request: Request,
     work: Callable[[], Awaitable[_Answer]],
     respond: Callable[[_Answer], Response],
+    state: ServerState,
 ) -> Response:
-    """``respond(work())``; or, if the client hangs up first, ``work()`` cancelled: a request
-    that is still queued then leaves its queue before dispatch (SPEC §5), one in a forward pass
-    leaves its batch undisturbed. Uvicorn and Hypercorn do not cancel a handler whose client
-    left, so without this every abandoned request was decoded and computed, and live callers
-    waited behind them (1,000 dropped connections made the next request take 4.9 s, not 0.3).
+    """``respond(work())``, in a cancel scope that two things cancel:
 
-    Called once the body is read: the next ASGI message is ``http.disconnect``, when the
-    connection closes (or the response is complete, by which time this has returned). On
-    asyncio the watch is a plain task cancelling a scope (an anyio task group cost ~90 µs of
-    the loop's CPU a request, this ~15 alone); in a server it still measured ~0.1 ms of the
-    loop's CPU a request (benchmarks/server_loop.py, docs/server.md)."""
+    - the client hanging up (unless the app was told not to watch: ``cancel_on_disconnect``):
+      answered 499, to nobody. A request that is still queued then leaves its queue before
+      dispatch (SPEC §5), one in a forward pass leaves its batch undisturbed. Uvicorn and
+      Hypercorn do not cancel a handler whose client left, so without this every abandoned
+      request was decoded and computed, and live callers waited behind them (1,000 dropped
+      connections made the next request take 4.9 s, not 0.3);
+    - the graceful timeout running out (:meth:`ServerState.expire_in_flight`): answered 503
+      ``closed`` with ``Retry-After``, which ``HttpClient`` retries, instead of the server's bare
+      500 or dropped connection when it cancels the handler itself.
+    """
     with anyio.CancelScope() as scope:
-        if sniffio.current_async_library() == "asyncio":
-            watch = asyncio.ensure_future(_cancel_on_hang_up(request, scope))
-            try:
+        state.in_flight.add(scope)
+        try:
+            if not state.cancel_on_disconnect:
                 return respond(await work())
-            finally:
-                watch.cancel()
-        failure: Exception | None = None
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(_cancel_on_hang_up, request, scope)
-            try:
-                answer = await work()
-            except Exception as exc:  # raised below, as itself: the task group would wrap it
-                failure = exc
-            tg.cancel_scope.cancel()  # the watch
-        if failure is not None:
-            raise failure
-        return respond(answer)
+            return await _watched(request, work, respond, scope)
+        finally:
+            state.in_flight.discard(scope)
+    if state.out_of_time:
+        raise ClientClosedError(
+            "the server is shutting down and its graceful timeout ran out before this request "
+            "was answered; retry on another instance"
+        )
     return Response(status_code=CLIENT_CLOSED)
+
+
+async def _watched(
+    request: Request,
+    work: Callable[[], Awaitable[_Answer]],
+    respond: Callable[[_Answer], Response],
+    scope: anyio.CancelScope,
+) -> Response:
+    """:func:`_in_flight`'s work, with the hang-up watch beside it: called once the body is
+    read, so the next ASGI message is ``http.disconnect``, when the connection closes (or the
+    response is complete, by which time this has returned). On asyncio the watch is a plain
+    task cancelling the scope (an anyio task group cost ~90 µs of the loop's CPU a request,
+    this ~15 alone); in a server it still measured ~0.1 ms of the loop's CPU a request
+    (benchmarks/server_loop.py, docs/server.md)."""
+    if sniffio.current_async_library() == "asyncio":
+        watch = asyncio.ensure_future(_cancel_on_hang_up(request, scope))
+        try:
+            return respond(await work())
+        finally:
+            watch.cancel()
+    failure: Exception | None = None
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_cancel_on_hang_up, request, scope)
+        try:
+            answer = await work()
+        except Exception as exc:  # raised below, as itself: the task group would wrap it
+            failure = exc
+        tg.cancel_scope.cancel()  # the watch
+    if failure is not None:
+        raise failure
+    return respond(answer)
 
 
 async def _cancel_on_hang_up(request: Request, scope: anyio.CancelScope) -> None:
@@ -569,16 +624,7 @@ def create_app(
         """One tile's answer: refused at once by a full queue (SPEC §4), and cancelled if its
         client hangs up (unless the app was told not to)."""
         work = partial(client.infer_async, body, mode, overload="reject")
-        return await watched(request, work, _json)
-
-    async def watched(
-        request: Request,
-        work: Callable[[], Awaitable[_Answer]],
-        respond: Callable[[_Answer], Response],
-    ) -> Response:
-        if not state.cancel_on_disconnect:
-            return respond(await work())
-        return await _unless_disconnected(request, work, respond)
+        return await _in_flight(request, work, _json, state)
 
     async def infer(request: Request) -> Response:
         """One tile through ``mode`` (predict, embed or predict_with_embedding).
@@ -641,15 +687,14 @@ def create_app(
         checked, client = _mode(mode), state.client(model)
         verbatim = request.headers.get("content-type", "").startswith(BATCH_BODIES_JSON)
         bodies = _batch_bodies(raw, verbatim)
-        # A client that hangs up stops the batch at its next slice or pass: the worker thread
-        # checks its host task's cancellation between them.
+        # Cancelled (a hang-up, the graceful timeout), the batch stops at its next slice or
+        # pass: the worker thread checks its host task's cancellation between them.
         run = partial(
             client.infer_batch, bodies, checked, check_cancelled=anyio.from_thread.check_cancelled
         )
+        work = partial(anyio.to_thread.run_sync, run)
         ndjson = _prefers_ndjson(request.headers.get("accept", ""))
-        return await watched(
-            request, partial(anyio.to_thread.run_sync, run), _ndjson if ndjson else _json_list
-        )
+        return await _in_flight(request, work, _ndjson if ndjson else _json_list, state)
 
     @app.post(
         "/invocations",
@@ -676,7 +721,8 @@ def create_app(
         return await answer(request, client, body, INVOCATION_MODES[envelope.mode])
 
     def readiness() -> JSONResponse:
-        status = "draining" if state.draining else "ready" if state.ready else "not ready"
+        draining = state.stopping or state.draining
+        status = "draining" if draining else "ready" if state.ready else "not ready"
         content = {
             "status": status,
             "models": {name: m.status for name, m in state.models.items()},

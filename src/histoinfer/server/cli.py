@@ -1,13 +1,16 @@
 """``histoinfer serve``: load models and run the microservice under uvicorn or hypercorn.
 
-Both servers get the same shutdown: on SIGTERM or SIGINT the app starts draining at once (new
-requests 503, readiness fails), the server stops accepting connections, in-flight requests
-finish (up to ``--graceful-timeout``), then the clients are closed.
+Both servers get the same shutdown. On SIGTERM or SIGINT readiness fails at once; after
+``--drain-delay`` seconds (0 by default) of serving as before, the app drains (new requests
+503), the server stops accepting connections and in-flight requests finish, up to
+``--graceful-timeout``: just before it runs out the app answers those still in flight 503
+``closed`` itself (the servers would cut them off). Then the clients are closed.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import logging
 import math
@@ -106,7 +109,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--graceful-timeout",
         type=_at_least_zero,
         default=30.0,
-        help="seconds in-flight requests get at shutdown (default: 30)",
+        help="seconds in-flight requests get at shutdown; just before they run out, those "
+        "still in flight are answered 503 'closed' (default: 30)",
+    )
+    add(
+        "--drain-delay",
+        type=_at_least_zero,
+        default=0.0,
+        help="seconds between SIGTERM and draining, with readiness failing and requests still "
+        "served, while load balancers move away (Kubernetes: a few seconds; default: 0)",
+    )
+    add(
+        "--keep-alive-timeout",
+        type=_at_least_zero,
+        default=5.0,
+        help="seconds an idle kept-alive connection stays open; make it longer than a load "
+        "balancer's idle timeout in front (default: 5)",
     )
     add("--no-warmup", action="store_true", help="report ready without a warm-up pass")
     add(
@@ -254,10 +272,26 @@ def _run_uvicorn(app: Any, state: ServerState, args: argparse.Namespace) -> None
     import uvicorn
 
     class Server(uvicorn.Server):
+        draining: asyncio.TimerHandle | None = None
+
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-            # Drain first: requests arriving on kept-alive connections while in-flight ones
-            # finish get 503 "closed", and readiness fails so load balancers move away.
+            # On the event loop (uvicorn's signal handler). Readiness fails at once; requests
+            # are still served for --drain-delay, then new ones get 503 "closed" while those in
+            # flight finish, and just before the graceful timeout the app answers the rest.
+            if state.stopping and self.draining is not None:  # a second signal: drain now
+                self.draining.cancel()
+            elif args.drain_delay > 0 and not state.stopping:
+                state.begin_stopping()
+                loop = asyncio.get_running_loop()
+                self.draining = loop.call_later(args.drain_delay, self.drain, sig, frame)
+                return
+            self.drain(sig, frame)
+
+        def drain(self, sig: int, frame: FrameType | None) -> None:
+            self.draining = None
             state.begin_drain()
+            loop = asyncio.get_running_loop()
+            loop.call_later(_before_the_deadline(args.graceful_timeout), state.expire_in_flight)
             super().handle_exit(sig, frame)
 
     config = uvicorn.Config(
@@ -268,6 +302,7 @@ def _run_uvicorn(app: Any, state: ServerState, args: argparse.Namespace) -> None
         log_level=args.log_level,
         access_log=args.access_log,
         timeout_graceful_shutdown=max(1, math.ceil(args.graceful_timeout)),
+        timeout_keep_alive=max(1, math.ceil(args.keep_alive_timeout)),
     )
     server = Server(config)
 
@@ -276,6 +311,13 @@ def _run_uvicorn(app: Any, state: ServerState, args: argparse.Namespace) -> None
 
     state.on_fatal = stop
     server.run()
+
+
+def _before_the_deadline(graceful_timeout: float) -> float:
+    """When the app answers the requests still in flight itself: a little before the server's
+    graceful timeout, at which it would cancel their handlers (a bare 500, a dropped
+    connection)."""
+    return max(0.0, graceful_timeout - min(0.5, 0.2 * graceful_timeout))
 
 
 def _check_bindable(host: str, port: int) -> None:
@@ -305,36 +347,42 @@ def _run_hypercorn(app: Any, state: ServerState, args: argparse.Namespace) -> No
     config = Config()
     config.bind = [_authority(args.host, args.port)]
     config.graceful_timeout = args.graceful_timeout
+    config.keep_alive_timeout = args.keep_alive_timeout
     config.accesslog = "-" if args.access_log else None
     config.errorlog = logging.getLogger("hypercorn.error")  # one handler: the root's
     config.loglevel = args.log_level.upper()
     logging.getLogger("hypercorn.error").setLevel(args.log_level.upper())
 
     async def main() -> None:
-        stop = anyio.Event()
+        stop = anyio.Event()  # the server stops accepting connections and drains
         state.on_fatal = stop.set
 
-        async def shutdown_trigger() -> None:
-            async with anyio.create_task_group() as tg:
+        async def drain(hurry: anyio.Event) -> None:
+            with anyio.move_on_after(args.drain_delay):
+                await hurry.wait()
+            state.begin_drain()
+            stop.set()
+            await anyio.sleep(_before_the_deadline(args.graceful_timeout))
+            state.expire_in_flight()
 
-                async def on_signal() -> None:
-                    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                        async for _ in signals:
-                            state.begin_drain()
-                            stop.set()
-                            return
-
-                tg.start_soon(on_signal)
-                await stop.wait()
-                tg.cancel_scope.cancel()
+        async def on_signals(tg: anyio.abc.TaskGroup) -> None:
+            hurry = anyio.Event()  # a second signal: drain now
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for _ in signals:
+                    if state.stopping:
+                        hurry.set()
+                    else:
+                        state.begin_stopping()  # readiness fails at once
+                        tg.start_soon(drain, hurry)
 
         if args.backend == "trio":
-            from hypercorn.trio import serve as serve_trio
-
-            await serve_trio(app, config, shutdown_trigger=shutdown_trigger)
+            from hypercorn.trio import serve
         else:
-            from hypercorn.asyncio import serve as serve_asyncio
+            from hypercorn.asyncio import serve  # type: ignore[assignment]
 
-            await serve_asyncio(app, config, shutdown_trigger=shutdown_trigger)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(on_signals, tg)
+            await serve(app, config, shutdown_trigger=stop.wait)
+            tg.cancel_scope.cancel()
 
     anyio.run(main, backend=args.backend)
