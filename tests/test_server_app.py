@@ -10,7 +10,7 @@ import gzip
 import json
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -381,6 +381,24 @@ async def test_a_request_whose_client_hangs_up_while_queued_is_never_computed(
         assert (await http.post(path, content=body)).status_code == 200
 
 
+async def during_its_first_pass(
+    call: Callable[[], Awaitable[None]], watch: Any, gate: threading.Event, act: Callable[[], None]
+) -> None:
+    """Run ``call``; while its first forward pass is held at ``gate``, ``act()``, and once every
+    task has seen it (the hang-up watch, the cancelled request), open the gate."""
+    try:
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(call)
+                while watch.calls < 1:
+                    await anyio.sleep(0.01)
+                act()
+                await anyio.wait_all_tasks_blocked()
+                gate.set()
+    finally:
+        gate.set()
+
+
 @pytest.mark.parametrize("cancel", [True, False], ids=["cancelled", "opted-out"])
 async def test_a_batch_whose_client_hangs_up_stops_at_its_next_pass(tiny_model, cancel):
     """Regression: a ``/batch`` request ran every pass of its batch after its client left (a
@@ -397,17 +415,7 @@ async def test_a_batch_whose_client_hangs_up_stops_at_its_next_pass(tiny_model, 
         async def leaver() -> None:
             sent.extend(await post_then_hang_up(app, "/api/predict/h1/batch", body, hang_up))
 
-        try:
-            with anyio.fail_after(30):
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(leaver)
-                    while watch.calls < 1:  # the first pass, held at the gate
-                        await anyio.sleep(0.01)
-                    hang_up.set()
-                    await anyio.wait_all_tasks_blocked()  # the watch has seen the hang-up
-                    gate.set()
-        finally:
-            gate.set()
+        await during_its_first_pass(leaver, watch, gate, hang_up.set)
         assert sent[0]["status"] == (499 if cancel else 200)
         assert watch.sizes == ([8] if cancel else [8, 8, 8])
         r = await http.post("/api/predict/h1/batch", content=body)  # the next one, as ever
@@ -561,17 +569,7 @@ async def test_requests_in_flight_when_the_graceful_timeout_runs_out_get_503_clo
         async def call() -> None:
             answers.append(await http.post(path, content=body))
 
-        try:
-            with anyio.fail_after(30):
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(call)
-                    while watch.calls < 1:  # in its pass, held at the gate
-                        await anyio.sleep(0.01)
-                    state.expire_in_flight()
-                    await anyio.wait_all_tasks_blocked()
-                    gate.set()
-        finally:
-            gate.set()
+        await during_its_first_pass(call, watch, gate, state.expire_in_flight)
         p = assert_problem(answers[0], 503, "closed")
         assert "graceful timeout ran out" in p["detail"] and "retry-after" in answers[0].headers
         assert watch.calls == 1  # a batch stopped before its second pass
