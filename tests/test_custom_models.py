@@ -14,7 +14,7 @@ import torch
 from helpers import make_body, outputs_close, serving
 
 from histoinfer import HttpClient, InProcessClient
-from histoinfer.errors import ModelExecutionError
+from histoinfer.errors import InvalidRequestError, ModelExecutionError
 from histoinfer.models.base import SampleOutput, ServerModel
 from histoinfer.models.h1 import H1ServerModel
 from histoinfer.schema import Mode, ModelRequest, ModelResponse
@@ -144,6 +144,28 @@ async def test_a_subclass_failing_fails_its_own_request_alike_everywhere(
                 with pytest.raises(ModelExecutionError, match=message):
                     await http.predict_async(bodies[BAD])
                 assert isinstance(await http.predict_async(bodies[0]), str)
+
+
+def test_a_batch_with_invalid_bodies_names_them_though_the_model_failed_on_another(
+    tiny_model: ServerModel,
+) -> None:
+    """SPEC §2.2: any invalid body makes the ``*_batch`` call an ``InvalidRequestError``
+    naming every bad position; a valid body the model could not prepare is said too, not put
+    in front of them as a 500."""
+    model = build(FailingPrepare, tiny_model)
+    bodies = [make_body(i) for i in range(6)]  # bodies[BAD] fails in prepare_sample
+    bodies[1] = "{not json"
+    bodies[4] = make_body(4, x=-5)
+    with InProcessClient(model, dynamic_batching=False) as client:
+        with pytest.raises(InvalidRequestError) as info:
+            client.predict_batch(bodies)
+        # Alone, the model's failure is still the call's error.
+        with pytest.raises(ModelExecutionError, match=expected_error(FailingPrepare)):
+            client.predict_batch([make_body(i) for i in range(BAD + 1)])
+    message = str(info.value)
+    assert message.startswith("2 of 6 requests are invalid (positions 1, 4)"), message
+    assert f"the model failed to prepare position {BAD}: " in message, message
+    assert "stain normalisation failed" in message, message
 
 
 @pytest.mark.anyio

@@ -780,6 +780,30 @@ def test_a_batch_answer_that_is_not_a_list_of_responses_is_an_inference_error():
         assert client.predict_batch([make_body(0)]) == ['{"output":[1.0]}']
 
 
+def test_a_batch_answered_as_a_json_list_gives_each_response_verbatim():
+    """A proxy that ignores Accept turns NDJSON into a JSON list: each response must still be
+    the server's text (re-serialized, 0.0000497 would read 4.97e-05), in any spacing."""
+    first = '{"output":[0.0000497,1E+2],"name":"caf\u00e9"}'
+    second = '{"output": [ -0.0 ]}'
+    bodies = [
+        f"[{first},{second}]",
+        f" [\n  {first} ,\n\t{second}\n] \n",
+    ]
+    for text in bodies:
+        answer = httpx.Response(200, text=text, headers={"content-type": "application/json"})
+        transport = httpx.MockTransport(lambda r, answer=answer: answer)
+        with HttpClient("http://h", transport=transport, retries=0) as client:
+            assert client.predict_batch([make_body(0), make_body(1)]) == [first, second]
+    for text in ("[", "[{}", "[{},]", "[{} {}]", "[{}] x", "[,]", "{}", ""):
+        answer = httpx.Response(200, text=text, headers={"content-type": "application/json"})
+        transport = httpx.MockTransport(lambda r, answer=answer: answer)
+        with (
+            HttpClient("http://h", transport=transport, retries=0) as client,
+            pytest.raises(InferenceError, match="not NDJSON or a JSON list of responses"),
+        ):
+            client.predict_batch([make_body(0)])
+
+
 def test_stats_from_a_server_that_is_not_histoinfer_is_an_inference_error():
     for answer in (
         httpx.Response(200, text="<html>hello</html>", headers={"content-type": "text/html"}),

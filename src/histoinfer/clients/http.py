@@ -714,17 +714,52 @@ def _split_batch(response: httpx.Response, expected: int) -> list[str]:
     if response.headers.get("content-type", "").startswith(NDJSON):
         lines = _text(response).split("\n")
         responses = lines[:-1] if lines and lines[-1] == "" else lines
-    else:  # a server that ignores Accept: re-serialize its JSON list, compactly
-        try:
-            items = json.loads(response.content)
-        except _NOT_JSON:
-            items = None
-        if not isinstance(items, list):
-            raise _unexpected(response, "NDJSON or a JSON list of responses")
-        responses = [json.dumps(i, separators=(",", ":"), ensure_ascii=False) for i in items]
+    else:  # a server (or proxy) that ignores Accept: each element of its JSON list, verbatim
+        responses = _list_elements(response)
     if len(responses) != expected:
         raise InferenceError(f"the server answered {len(responses)} responses for {expected}")
     return responses
+
+
+_ELEMENTS = json.JSONDecoder()
+
+
+def _list_elements(response: httpx.Response) -> list[str]:
+    """The text of each element of a JSON list body, exactly as written: re-serialized, a
+    float would change its form (``4.97e-05`` for the server's ``0.0000497``), and responses
+    must be the server's bytes whichever way they came (SPEC 3.2)."""
+    text = _text(response)
+    end = len(text)
+
+    def skip(i: int) -> int:
+        while i < end and text[i] in " \t\n\r":
+            i += 1
+        return i
+
+    elements: list[str] = []
+    i = skip(0)
+    if text[i : i + 1] != "[":
+        raise _unexpected(response, "NDJSON or a JSON list of responses")
+    i = skip(i + 1)
+    if text[i : i + 1] == "]":
+        i += 1
+    else:
+        while True:
+            try:
+                _, stop = _ELEMENTS.raw_decode(text, i)
+            except _NOT_JSON:
+                raise _unexpected(response, "NDJSON or a JSON list of responses") from None
+            elements.append(text[i:stop])
+            i = skip(stop)
+            if text[i : i + 1] == "]":
+                i += 1
+                break
+            if text[i : i + 1] != ",":
+                raise _unexpected(response, "NDJSON or a JSON list of responses")
+            i = skip(i + 1)
+    if skip(i) != end:
+        raise _unexpected(response, "NDJSON or a JSON list of responses")
+    return elements
 
 
 # -- one async pool per event loop ---------------------------------------------------------

@@ -1016,23 +1016,28 @@ _LISTED_RUNS = 1_000
 
 
 def _batch_refusal(problems: dict[int, InferenceError], total: int) -> InferenceError:
-    """Why a ``*_batch`` call computed nothing: a model's failure to prepare a request as it
-    is (ServerModel.prepared_tile), else the invalid requests: every bad position, and what
-    is wrong with the first ones."""
-    failed = next((p for p in problems.values() if not isinstance(p, InvalidRequestError)), None)
-    if failed is not None:
-        return failed
+    """Why a ``*_batch`` call computed nothing: the invalid requests, every bad position and
+    what is wrong with the first ones (SPEC 2.2: ``InvalidRequestError``, whatever else
+    failed); else a model's failure to prepare a request as it is (ServerModel.prepared_tile).
+    """
+    invalid = {p: e for p, e in problems.items() if isinstance(e, InvalidRequestError)}
+    failed = [p for p in problems if p not in invalid]
+    if not invalid:
+        return problems[failed[0]]
     # The class a single request would get when every problem is of that kind (all bulk_rna:
     # UnsupportedModeError, 400 over HTTP), else the general one.
-    kinds = {type(p) for p in problems.values()}
+    kinds = {type(p) for p in invalid.values()}
     error = kinds.pop() if len(kinds) == 1 else InvalidRequestError
-    described = list(problems.values())[:_NAMED_PROBLEMS]
+    described = list(invalid.values())[:_NAMED_PROBLEMS]
     named = "; ".join(map(str, described))
-    if len(problems) > len(described):
-        named += f"; and {len(problems) - len(described)} more"
-    where = f"position{'s' if len(problems) > 1 else ''} {_runs(list(problems))}"
+    if len(invalid) > len(described):
+        named += f"; and {len(invalid) - len(described)} more"
+    where = f"position{'s' if len(invalid) > 1 else ''} {_runs(list(invalid))}"
+    if failed:  # valid requests the model could not prepare: said, not hidden behind the rest
+        which = f"position{'s' if len(failed) > 1 else ''} {_runs(failed)}"
+        named += f"; and the model failed to prepare {which}: {problems[failed[0]]}"
     return error(
-        f"{len(problems)} of {total} requests are invalid ({where}), nothing was computed: {named}"
+        f"{len(invalid)} of {total} requests are invalid ({where}), nothing was computed: {named}"
     )
 
 
