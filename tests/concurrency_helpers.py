@@ -38,13 +38,20 @@ class HeldBatchFn:
     """A plain batch function (``x -> 10 * x``) whose calls each wait for ``allow()``.
 
     It records every batch it is given, and the threads it ran on. ``poison`` items make a call
-    raise ``ValueError`` (so a batch holding one fails as a whole, like a device error).
+    raise ``raises`` (``ValueError``: a batch holding one fails as a whole, like a device error).
     """
 
-    def __init__(self, *, held: bool = True, poison: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        *,
+        held: bool = True,
+        poison: Sequence[int] = (),
+        raises: type[BaseException] = ValueError,
+    ) -> None:
         self.batches: list[list[int]] = []
         self.threads: set[int] = set()
         self.poison = set(poison)
+        self.raises = raises
         self._held = held
         self._permits = threading.Semaphore(0)
         self._lock = threading.Lock()
@@ -77,7 +84,7 @@ class HeldBatchFn:
             raise TimeoutError("the test never released this batch")
         bad = self.poison.intersection(items)
         if bad:
-            raise ValueError(f"poisoned items {sorted(bad)}")
+            raise self.raises(f"poisoned items {sorted(bad)}")
         return [10 * item for item in items]
 
     def __enter__(self) -> HeldBatchFn:

@@ -4,14 +4,19 @@ explicit, ``*_batch`` and HTTP."""
 
 from __future__ import annotations
 
+import base64
+import io
 import json
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import anyio
 import httpx
 import pytest
 import torch
+from concurrency_helpers import hooked_model
 from helpers import make_body, outputs_close, serving
+from PIL import Image
 
 from histoinfer import HttpClient, InProcessClient
 from histoinfer.errors import InvalidRequestError, ModelExecutionError
@@ -83,6 +88,23 @@ class Int64Prepare(H1ServerModel):
         return super().prepare_sample(request).long()
 
 
+async def _all_at_once(client: InProcessClient, bodies: list[str]) -> dict[int, str | Exception]:
+    """``predict_async`` of every body concurrently: each one's response or error, by index."""
+    outcomes: dict[int, str | Exception] = {}
+
+    async def call(i: int) -> None:
+        try:
+            outcomes[i] = await client.predict_async(bodies[i])
+        except Exception as exc:
+            outcomes[i] = exc
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            for i in range(len(bodies)):
+                tg.start_soon(call, i)
+    return outcomes
+
+
 def build(cls: type[ServerModel], tiny_model: ServerModel) -> ServerModel:
     return cls(tiny_model.checkpoint, tiny_model.assets, "cpu")
 
@@ -120,18 +142,7 @@ async def test_a_subclass_failing_fails_its_own_request_alike_everywhere(
         with pytest.raises(ModelExecutionError, match=message):
             dynamic.predict_batch(bodies)
 
-        outcomes: dict[int, str | BaseException] = {}
-
-        async def call(i: int) -> None:
-            try:
-                outcomes[i] = await dynamic.predict_async(bodies[i])
-            except Exception as exc:
-                outcomes[i] = exc
-
-        with anyio.fail_after(60):
-            async with anyio.create_task_group() as tg:
-                for i in range(len(bodies)):
-                    tg.start_soon(call, i)
+        outcomes = await _all_at_once(dynamic, bodies)
         failed = outcomes.pop(BAD)
         assert isinstance(failed, ModelExecutionError), failed
         assert all(isinstance(o, str) for o in outcomes.values()), outcomes  # the others served
@@ -166,6 +177,52 @@ def test_a_batch_with_invalid_bodies_names_them_though_the_model_failed_on_anoth
     assert message.startswith("2 of 6 requests are invalid (positions 1, 4)"), message
     assert f"the model failed to prepare position {BAD}: " in message, message
     assert "stain normalisation failed" in message, message
+
+
+class _Blank(BaseException):
+    """What a user's model might raise that is not an Exception (SystemExit alike)."""
+
+
+def _solid_body(i: int) -> str:
+    buf = io.BytesIO()
+    Image.new("RGB", (224, 224), (0, 0, 0)).save(buf, format="PNG")
+    return make_body(i, image_data=base64.b64encode(buf.getvalue()).decode())
+
+
+@pytest.mark.anyio
+async def test_a_pass_raising_a_base_exception_fails_only_its_own_request(
+    tiny_model: ServerModel,
+) -> None:
+    """A model's BaseException (not an Exception) on the device's thread used to be taken for
+    the loop's cancellation: every caller of the batch failed as "closed", and the sync
+    client's portal died for good. Now it is that request's ModelExecutionError, everywhere."""
+
+    def refuse_blank(batch: torch.Tensor) -> None:
+        flat = batch.float().flatten(1)
+        if ((flat.max(1).values - flat.min(1).values) == 0).any():
+            raise _Blank("blank tile")
+
+    model, _ = hooked_model(tiny_model, refuse_blank)
+    bodies = [_solid_body(i) if i == BAD else make_body(i) for i in range(6)]
+    message = rf"forward pass failed for patch_idx={BAD} .*ThreadAbortedError.*_Blank"
+    with InProcessClient(model, max_wait_ms=50) as dynamic:
+        outcomes = await _all_at_once(dynamic, bodies)
+        with anyio.fail_after(60):
+            with pytest.raises(ModelExecutionError, match=message):  # alone
+                await dynamic.predict_async(bodies[BAD])
+            assert isinstance(await dynamic.predict_async(bodies[0]), str)  # serving on
+        failed = outcomes.pop(BAD)
+        assert isinstance(failed, ModelExecutionError), failed
+        assert all(isinstance(o, str) for o in outcomes.values()), outcomes
+    # Sync calls from a plain thread (through the client's portal): the portal survives it.
+    with InProcessClient(model) as dynamic, ThreadPoolExecutor(1) as pool:
+        with pytest.raises(ModelExecutionError, match=message):
+            pool.submit(dynamic.predict, bodies[BAD]).result(timeout=60)
+        assert isinstance(pool.submit(dynamic.predict, bodies[1]).result(timeout=60), str)
+    with InProcessClient(model, dynamic_batching=False) as explicit:
+        with pytest.raises(ModelExecutionError, match=f"batch position {BAD} .*_Blank"):
+            explicit.predict_batch(bodies)
+        assert len(explicit.predict_batch(bodies[:BAD])) == BAD
 
 
 @pytest.mark.anyio

@@ -27,10 +27,24 @@ from histoinfer.errors import (
     DeadlineExceededError,
     InferenceError,
     OverloadedError,
+    ThreadAbortedError,
 )
 from histoinfer.models.device_thread import DeviceThread
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
+
+
+async def _queued_behind_a_held_batch(
+    fn: HeldBatchFn, sched: BatchScheduler[int, int], items: range, results: dict[int, Any]
+) -> None:
+    """Submit 100 alone, and ``items`` while its batch is held: they queue up, then all run."""
+    async with anyio.create_task_group() as tg:
+        spawn_submit(tg, sched.submit, 100, results)
+        await wait_until(lambda: fn.calls == 1)
+        for i in items:
+            spawn_submit(tg, sched.submit, i, results)
+        await wait_until(lambda: sched.queue_depth == len(items))
+        fn.release_all()
 
 
 async def test_batches_hold_at_most_max_batch_size() -> None:
@@ -57,13 +71,7 @@ async def test_requests_arriving_during_a_batch_form_the_next_one() -> None:
     results: dict[int, Any] = {}
     with HeldBatchFn() as fn, anyio.fail_after(10):
         sched = BatchScheduler(fn, max_batch_size=16, max_wait_ms=5)
-        async with anyio.create_task_group() as tg:
-            spawn_submit(tg, sched.submit, 100, results)
-            await wait_until(lambda: fn.calls == 1)
-            for i in range(10):
-                spawn_submit(tg, sched.submit, i, results)
-            await wait_until(lambda: sched.queue_depth == 10)
-            fn.release_all()
+        await _queued_behind_a_held_batch(fn, sched, range(10), results)
     assert fn.batches[0] == [100]
     assert sorted(fn.batches[1]) == list(range(10))
     assert fn.calls == 2
@@ -239,13 +247,7 @@ async def test_bisection_isolates_a_poisoned_item() -> None:
     results: dict[int, Any] = {}
     with HeldBatchFn(poison=[7]) as fn, anyio.fail_after(10):
         sched = BatchScheduler(fn, max_batch_size=16)
-        async with anyio.create_task_group() as tg:
-            spawn_submit(tg, sched.submit, 100, results)
-            await wait_until(lambda: fn.calls == 1)
-            for i in range(12):
-                spawn_submit(tg, sched.submit, i, results)
-            await wait_until(lambda: sched.queue_depth == 12)
-            fn.release_all()
+        await _queued_behind_a_held_batch(fn, sched, range(12), results)
     assert isinstance(results.pop(7), ValueError)
     assert results == {i: 10 * i for i in [*range(7), *range(8, 12), 100]}
     assert sorted(fn.batches[1]) == list(range(12))  # tried as one batch first
@@ -253,6 +255,31 @@ async def test_bisection_isolates_a_poisoned_item() -> None:
     snap = sched.stats.snapshot()
     assert snap.errors == 1 and snap.error_kinds == {"ValueError": 1}
     assert snap.batches == 2 and snap.samples == 13  # dispatched: [100] and the 12
+
+
+class _UsersOwnBaseException(BaseException):
+    pass
+
+
+@pytest.mark.parametrize("raised", [SystemExit, KeyboardInterrupt, _UsersOwnBaseException])
+async def test_a_base_exception_from_the_batch_function_fails_only_its_item(
+    raised: type[BaseException],
+) -> None:
+    """Off the main thread, SystemExit & co. are no signal and no cancellation of ours: taken
+    for the loop's own cancellation, they failed every caller of the batch and killed the
+    runner (trio: TrioInternalError). Now bisected like any failure, and the runner serves on."""
+    results: dict[int, Any] = {}
+    with HeldBatchFn(poison=[3], raises=raised) as fn, anyio.fail_after(10):
+        sched = BatchScheduler(fn, max_batch_size=16)
+        await _queued_behind_a_held_batch(fn, sched, range(6), results)
+        failed = results.pop(3)
+        assert isinstance(failed, ThreadAbortedError), failed
+        assert isinstance(failed.__cause__, raised), failed.__cause__
+        assert f"raised {raised.__name__}(" in str(failed), failed
+        assert results == {i: 10 * i for i in [0, 1, 2, 4, 5, 100]}
+        assert await sched.submit(7) == 70  # the runner lives on
+        await sched.aclose()
+    assert sched.stats.snapshot().error_kinds == {"ThreadAbortedError": 1}
 
 
 async def test_an_exception_returned_as_a_result_is_raised_to_its_caller_alone() -> None:
@@ -494,6 +521,24 @@ def test_invalid_settings_are_refused() -> None:
         BatchScheduler(list, max_wait_ms=float("nan"))
     with pytest.raises(ValueError, match="max_queue"):
         BatchScheduler(list, max_queue=0)
+
+
+def test_a_coroutine_batch_function_is_refused_at_once() -> None:
+    """Run in a worker thread it would return coroutines, never awaited: every item failed
+    with "object of type 'coroutine' has no len()", after a whole bisection."""
+
+    async def doubled(items: list[int]) -> list[int]:
+        return [2 * i for i in items]
+
+    class Model:
+        async def __call__(self, items: list[int]) -> list[int]:
+            return items
+
+    for fn in (doubled, partial(doubled), Model()):
+        with pytest.raises(TypeError, match="batch_fn must be a plain function"):
+            BatchScheduler(fn)  # type: ignore[arg-type]
+    BatchScheduler(lambda items: items)  # a plain one is fine, a callable object too
+    BatchScheduler(HeldBatchFn(held=False))
 
 
 async def test_a_request_not_dispatched_by_its_deadline_fails_clearly() -> None:
@@ -832,7 +877,14 @@ async def test_using_a_scheduler_from_a_second_loop_is_a_clear_error(anyio_backe
 
             with pytest.raises(RuntimeError, match="another event loop"):
                 await anyio.to_thread.run_sync(partial(anyio.run, elsewhere, backend=backend))
+            # aclose() from there: refused before it touches this loop's stream (it used to
+            # close it first: trio's internals asserted, and the scheduler ended all the same)
+            with pytest.raises(RuntimeError, match="must run in the scheduler's own loop"):
+                await anyio.to_thread.run_sync(partial(anyio.run, sched.aclose, backend=backend))
         assert await sched.submit(3) == 30  # its own loop is unaffected
+        await sched.aclose()
+        with pytest.raises(ClientClosedError):
+            await sched.submit(4)
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])

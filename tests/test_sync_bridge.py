@@ -212,6 +212,47 @@ def test_close_lets_sync_calls_in_flight_finish_then_refuses(tiny_model: ServerM
 
 @pytest.mark.anyio
 @pytest.mark.timeout(60)
+async def test_close_on_a_loop_thread_does_not_wait_for_other_threads_sync_calls(
+    tiny_model: ServerModel,
+) -> None:
+    """close() on a running loop's thread (a notebook cell, ``with client:`` in a coroutine)
+    waits for nothing: it used to join the portal's thread, which lets another thread's sync
+    call finish first, with this loop frozen meanwhile (up to 10 s)."""
+    client = InProcessClient(tiny_model, max_batch_size=8)
+    in_pass = threading.Event()
+    release = threading.Event()
+    real_forward = tiny_model.forward_tiles
+
+    def held_forward(tiles, mode):  # type: ignore[no-untyped-def]
+        in_pass.set()
+        release.wait(30)
+        return real_forward(tiles, mode)
+
+    tiny_model.forward_tiles = held_forward  # type: ignore[method-assign]
+    try:
+        threads, errors = start_threads([partial(client.predict, body(0))])
+        await anyio.to_thread.run_sync(in_pass.wait, 30)
+        portal = client._portal
+        assert portal is not None
+        started = time.perf_counter()
+        client.close()  # on this loop's thread; the portal's call is held in its pass
+        took = time.perf_counter() - started
+        assert portal.thread.is_alive()  # its call still runs: close() did not wait for it
+        release.set()
+        await anyio.to_thread.run_sync(partial(join_threads, threads, 30))
+        assert errors == []
+    finally:
+        release.set()
+        del tiny_model.forward_tiles
+    assert took < 1.0, f"close() held the loop for {took:.2f} s"
+    deadline = time.monotonic() + 20
+    while portal.thread.is_alive() and time.monotonic() < deadline:
+        await anyio.sleep(0.01)
+    assert not portal.thread.is_alive()  # it ended after its last call, by itself
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
 async def test_a_cancelled_aclose_still_ends_the_clients_threads(tiny_model: ServerModel) -> None:
     """Regression: ``async with client`` left by a timeout (its aclose() cancelled before it
     stopped them) left the portal and batch-decode threads running while the client lived."""

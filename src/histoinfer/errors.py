@@ -15,6 +15,7 @@ __all__ = [
     "InvalidRequestError",
     "ModelExecutionError",
     "OverloadedError",
+    "ThreadAbortedError",
     "UnsupportedModeError",
     "error_for_problem_type",
 ]
@@ -83,6 +84,25 @@ class ClientClosedError(InferenceError):
     problem_slug = "closed"
     title = "Closed"
     http_status = 503
+
+
+class ThreadAbortedError(RuntimeError):
+    """Code run on a worker thread (a batch function, a model's pass) raised a
+    ``BaseException`` that is not an ``Exception``: ``SystemExit``, ``KeyboardInterrupt``, a
+    nested event loop's ``CancelledError``, a class of the user's own. Off the main thread none
+    of them can be a signal or the caller's own cancellation, so it is carried as this
+    ordinary error (``__cause__`` is the original): it fails only the requests it belongs to,
+    and an event loop waiting for the thread never mistakes it for its own cancellation. Not an
+    :class:`InferenceError`: it is not a refusal of the request."""
+
+    @classmethod
+    def contain(cls, exc: BaseException, what: str) -> BaseException:
+        """``exc`` as it may leave a worker thread: an ``Exception`` unchanged, else wrapped."""
+        if isinstance(exc, Exception):
+            return exc
+        error = cls(f"{what} raised {exc!r}, which is not an Exception")
+        error.__cause__ = exc
+        return error
 
 
 _ALL: tuple[type[InferenceError], ...] = (

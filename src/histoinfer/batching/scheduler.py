@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import math
 import threading
@@ -54,7 +55,7 @@ import anyio.to_thread
 import sniffio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ..errors import ClientClosedError, DeadlineExceededError, InferenceError
+from ..errors import ClientClosedError, DeadlineExceededError, InferenceError, ThreadAbortedError
 from .admission import Admission, deadline_exceeded, deadline_from
 from .perloop import call_soon_in_loop, current_loop_key, wait_future
 from .stats import BatchStats
@@ -134,6 +135,16 @@ class _Handoff(Generic[T, R]):
                     p.resolve(result)
 
 
+def _is_async(fn: object) -> bool:
+    """A coroutine function, or an object whose ``__call__`` is one (``functools.partial``
+    of one included): called in a thread, it would return a coroutine, never run."""
+    while isinstance(fn, partial):
+        fn = fn.func
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004 - the method: is it async, not callable?
+    )
+
+
 def _wake_marker() -> _Pending[Any, Any]:
     """A no-op stream entry: the runner skips it, but receiving it ends a wait for company."""
     marker: _Pending[Any, Any] = _Pending.__new__(_Pending)
@@ -185,6 +196,11 @@ class BatchScheduler(Generic[T, R]):
         name: str = "batch",
         on_exit: Callable[[], None] | None = None,
     ) -> None:
+        if _is_async(batch_fn):
+            raise TypeError(
+                f"{name}: batch_fn must be a plain function (it runs in a worker thread), got "
+                f"the coroutine function {batch_fn!r}: call it there with anyio.from_thread.run"
+            )
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if not (max_wait_ms >= 0 and math.isfinite(max_wait_ms)):
@@ -280,15 +296,22 @@ class BatchScheduler(Generic[T, R]):
             self._release()
 
     async def aclose(self) -> None:
-        """Refuse new items, finish every queued one, then stop the runner."""
-        self._closing = True
-        if self._finished is None:  # never started: no runner, no streams
+        """Refuse new items, finish every queued one, then stop the runner. In the scheduler's
+        own loop (from another thread or loop: :meth:`close_soon`)."""
+        finished = self._finished
+        if finished is None or finished.is_set():  # never started, or its runner has ended
+            self._closing = True
             return
+        if self._loop is not current_loop_key():
+            # Checked before anything is touched: the stream and the event belong to that loop
+            # (closed from here, trio's internals assert).
+            raise RuntimeError(
+                f"{self.name}: aclose() must run in the scheduler's own loop "
+                f"(close_soon() closes it from any thread)"
+            )
+        self._closing = True
         self._send.close()
-        if not self._finished.is_set():
-            if self._loop is not current_loop_key():
-                raise RuntimeError(f"{self.name}: aclose() must run in the scheduler's own loop")
-            await self._finished.wait()
+        await finished.wait()
 
     def close_soon(self) -> None:
         """:meth:`aclose` without the wait, callable from any thread: refuse new items; the
@@ -640,6 +663,12 @@ class BatchScheduler(Generic[T, R]):
         started = time.perf_counter()
         try:
             results = self.batch_fn([p.item for p in live]) if live else []
+        except BaseException as exc:
+            if isinstance(exc, Exception) or threading.current_thread() is threading.main_thread():
+                raise
+            # SystemExit, a user's BaseException...: bisected like any failure, not taken by
+            # the loop for its own cancellation (which would fail every caller of the batch).
+            raise ThreadAbortedError.contain(exc, f"{self.name}: the batch function") from exc
         finally:
             # Timed here, on its thread: from the loop, the time would include the hand-offs
             # and the loop's wake-up, and under load its wait for the thread.

@@ -610,11 +610,14 @@ class InProcessClient(ClosingContext):
         self._calls.close()
         if running_loop_here():
             # Waiting here would block the very loop whose requests we wait for (a notebook
-            # cell): those finish on their own; we only refuse new ones.
+            # cell): those finish on their own; we only refuse new ones. Nor is the portal's
+            # thread joined: it lets the sync calls of other threads finish first (seconds,
+            # with this loop frozen); it ends after them by itself.
             log.debug("close() on a thread with a running loop: not waiting for in-flight work")
+            self._stop_threads(wait=False)
         else:
             self._calls.wait_idle()
-        self._stop_threads()
+            self._stop_threads()
 
     async def aclose(self) -> None:
         """:meth:`close`, awaited. Cancellable: cancelled before the calls in flight are done,

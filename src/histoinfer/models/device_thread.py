@@ -27,6 +27,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from ..errors import ThreadAbortedError
+
 __all__ = ["DeviceThread", "device_key", "device_thread", "helper_threads"]
 
 R = TypeVar("R")
@@ -121,6 +123,8 @@ class DeviceThread:
             with self._running:
                 result = fn(*args)
         except BaseException as exc:  # the future carries it to the caller; the thread lives on
+            if threading.current_thread() is self._thread:  # never a signal here: contained
+                exc = ThreadAbortedError.contain(exc, f"a job on thread {self.name!r}")
             future.set_exception(exc)
         else:
             future.set_result(result)
