@@ -94,6 +94,33 @@ def test_unusable_device_is_one_line(
     assert_one_line_error(code, err, str(tiny_checkpoint), "'tpu9'")
 
 
+def test_export_never_replaces_a_checkpoint_unless_forced(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A folder holding the user's trained model must not silently become an untrained one."""
+    out_dir = tmp_path / "mine"
+    out_dir.mkdir()
+    trained = out_dir / "model.pt2"
+    trained.write_bytes(b"my trained weights")
+    (out_dir / "model.json").write_text('{"trained": true}')
+    code, _, err = run(["export", "h1", "--size", "tiny", "--out", str(out_dir)], capsys)
+    assert_one_line_error(code, err, str(trained), "model.json", "--force", "untrained")
+    assert trained.read_bytes() == b"my trained weights"
+    assert (out_dir / "model.json").read_text() == '{"trained": true}'
+
+    alone = tmp_path / "assets-only"
+    alone.mkdir()
+    (alone / "model.json").write_text("{}")  # any one of the files it would write
+    code, _, err = run(["export", "h1", "--size", "tiny", "--out", str(alone)], capsys)
+    assert_one_line_error(code, err, "model.json already exists", "replace it")
+    assert not (alone / "model.pt2").exists()
+
+    code, out, _ = run(["export", "h1", "--size", "tiny", "--out", str(out_dir), "--force"], capsys)
+    assert code == 0 and str(trained) in out
+    assert json.loads((out_dir / "model.json").read_text())["trained"] is False
+    assert trained.read_bytes() != b"my trained weights"
+
+
 def test_export_into_a_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     blocker = tmp_path / "taken"
     blocker.write_text("a file, not a folder")

@@ -54,12 +54,29 @@ def _add_export(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "with AMX, and on GPUs; float16 is not faster on CPUs)",
     )
     p.add_argument("--out", type=Path, required=True, help="output directory")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace the checkpoint files already in DIR (refused without it: DIR may hold "
+        "a trained model)",
+    )
     p.set_defaults(func=_cmd_export)
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from .models.h1 import export_reference_h1
+    from .models.assets import ASSETS_FILE
+    from .models.h1 import AOTI_CHECKPOINT_FILE, CHECKPOINT_FILE, export_reference_h1
 
+    names = [CHECKPOINT_FILE, ASSETS_FILE] + ([AOTI_CHECKPOINT_FILE] if args.aoti else [])
+    taken = [str(args.out / name) for name in names if (args.out / name).exists()]
+    if taken and not args.force:
+        # An untrained reference written over a user's own checkpoint (and its model.json,
+        # then "trained": false) would be silent data loss.
+        raise CommandError(
+            f"{', '.join(taken)} already exist{'s' if len(taken) == 1 else ''}: not replaced "
+            f"by a reference checkpoint with untrained weights; choose another --out, or pass "
+            f"--force to replace {'it' if len(taken) == 1 else 'them'}"
+        )
     precision = "" if args.dtype == "float32" else f", {args.dtype}"
     print(f"exporting h1 ({args.size}{precision}) with seeded, UNTRAINED weights to {args.out} ...")
     result = export_reference_h1(args.size, args.out, aoti=args.aoti, dtype=args.dtype)
