@@ -114,7 +114,14 @@ def test_torch_save_file_is_the_wrong_kind(tmp_path: Path) -> None:
     # A state dict saved with torch.save is a zip too, but not a program.
     path = tmp_path / "model.pt2"
     torch.save({"weight": torch.zeros(3)}, path)
-    raises_naming(path, lambda: load_checkpoint(path), "neither a torch.export program")
+    raises_naming(
+        path,
+        lambda: load_checkpoint(path),
+        "is a torch.save() file",
+        "neither a torch.export program",
+        "torch.export.export it",
+        "docs/checkpoints.md",
+    )
 
 
 def test_corrupt_program_inside_a_valid_zip(tiny_checkpoint: Path, tmp_path: Path) -> None:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from histoinfer.cli import main
@@ -331,6 +333,34 @@ def test_serve_names_each_client_after_its_route(tiny_checkpoint: Path) -> None:
 def test_demo_refuses_a_tile_of_zero(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--tile", "0"]) == 1
     assert "--tile must be positive" in capsys.readouterr().err
+
+
+def test_demo_writes_the_file_it_names_and_records_the_weights(
+    tiny_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from histoinfer import demo
+    from histoinfer.models.h1 import reference_assets
+
+    cache = tmp_path / "cache"
+    shutil.copytree(tiny_dir, cache / f"h1-{reference_assets('tiny').version}")
+    monkeypatch.setattr(demo, "cache_dir", lambda: cache)
+    argv = ["demo", "--size", "tiny", "--tile", "224", "--stride", "4096", "--no-progress"]
+    code, out, _ = run([*argv, "--out", str(tmp_path / "results" / "run1")], capsys)
+    assert code == 0
+    written = tmp_path / "results" / "run1.npz"  # numpy's suffix, and the name said is it
+    assert f"wrote {written} (" in out
+    with np.load(written) as npz:
+        assert bool(npz["trained"]) is False
+        assert str(npz["model_version"]) == reference_assets("tiny").version
+        assert npz["output"].shape == (1, len(npz["gene_names"]))
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    code, _, err = run([*argv, "--out", str(blocker / "run.npz")], capsys)
+    assert_one_line_error(code, err, f"--out {blocker / 'run.npz'}: cannot create its folder")
 
 
 def test_python_dash_m_prints_no_traceback(tmp_path: Path) -> None:

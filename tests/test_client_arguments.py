@@ -68,6 +68,14 @@ def test_inprocess_client_arguments_are_checked(
 ) -> None:
     with pytest.raises(ValueError, match=f"^{argument} must be {allowed}, got "):
         InProcessClient(tiny_model, **{argument: bad})
+    # from_checkpoint refuses it before loading anything: here there is nothing to load.
+    with pytest.raises(ValueError, match=f"^{argument} must be {allowed}, got "):
+        InProcessClient.from_checkpoint("h1", "no-such-dir/model.pt2", **{argument: bad})
+
+
+def test_from_checkpoint_refuses_a_misspelt_setting_before_loading() -> None:
+    with pytest.raises(TypeError, match=r"^InProcessClient.from_checkpoint\(\): .*'max_batchsize'"):
+        InProcessClient.from_checkpoint("h1", "no-such-dir/model.pt2", max_batchsize=32)
 
 
 @pytest.mark.parametrize("path", ["model.pt2", Path("model.pt2")])

@@ -130,6 +130,22 @@ async def _run_all(client: InProcessClient, bodies: list[str], progress: _Progre
     return responses
 
 
+def _npz_path(out: Path) -> Path:
+    """Where the results go, checked before the run: numpy adds ``.npz`` to a name without it
+    (so the path said is the one written), and a folder that cannot be made fails now, named
+    as ``--out``, not after every tile is computed."""
+    out = out.expanduser()
+    if out.suffix != ".npz":
+        out = out.with_name(out.name + ".npz")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OSError(f"--out {out}: cannot create its folder ({exc})") from exc
+    if out.is_dir():
+        raise OSError(f"--out {out} is a folder: name the .npz file to write")
+    return out
+
+
 def run_demo(
     *,
     out: Path,
@@ -141,10 +157,11 @@ def run_demo(
     progress: bool = True,
 ) -> int:
     started = time.perf_counter()
+    out = _npz_path(out)
     checkpoint, _ = reference_checkpoint(size)
     image, source = demo_image()
     bodies = tile_requests(image, tile, stride, slide="skimage-ihc")
-    print(f"image: {source}; {len(bodies)} tiles of {tile}px (stride {stride}), resized to 224px")
+    print(f"image: {source}; {len(bodies)} tiles of {tile}px (stride {stride})")
 
     with InProcessClient.from_checkpoint("h1", checkpoint, device=device) as client:
         meta = json.loads(client.metadata())
@@ -161,8 +178,6 @@ def run_demo(
     outputs = np.asarray([p["output"] for p in parsed], dtype=np.float32)
     embeddings = np.asarray([p["embedding"] for p in parsed], dtype=np.float32)
     genes = np.asarray(meta["gene_names"])
-    out = out.expanduser()
-    out.parent.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(
         out,
         output=outputs,
@@ -171,6 +186,10 @@ def run_demo(
         y=np.asarray([p["y"] for p in parsed]),
         patch_idx=np.asarray([p["patch_idx"] for p in parsed]),
         gene_names=genes,
+        # What made these numbers, in the file: the reference weights are untrained.
+        model_version=np.asarray(meta["version"]),
+        trained=np.asarray(meta["trained"]),
+        checkpoint_sha256=np.asarray(meta["checkpoint_sha256"]),
     )
     top = np.argsort(-outputs.mean(axis=0))[:5]
     print(
@@ -184,6 +203,9 @@ def run_demo(
         + ", ".join(f"{genes[i]} ({outputs[:, i].mean():.3f})" for i in top)
     )
     print("(reference weights are seeded and UNTRAINED: these values are not biology)")
-    print(f"wrote {out} (output, embedding, x, y, patch_idx, gene_names)")
+    print(
+        f"wrote {out} (output, embedding, x, y, patch_idx, gene_names, model_version, "
+        "trained, checkpoint_sha256)"
+    )
     print(f"total {time.perf_counter() - started:.1f} s")
     return 0

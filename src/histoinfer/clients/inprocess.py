@@ -32,6 +32,7 @@ the garbage collector would destroy it mid-await ("Task was destroyed but it is 
 from __future__ import annotations
 
 import concurrent.futures
+import inspect
 import logging
 import os
 import threading
@@ -247,6 +248,32 @@ def _prepare_lone(model: ServerModel, body: str | bytes, mode: Mode) -> Decoded 
         return request, model.prepared_tile(request, where)
     except InferenceError as exc:
         return exc
+
+
+def _check_settings(
+    *,
+    max_batch_size: object,
+    max_wait_ms: object,
+    dynamic_batching: object,
+    max_queue: object,
+    prepare_threads: object,
+    request_timeout: object,
+    overload: object,
+    batch_decode_threads: object,
+    name: object,
+) -> None:
+    """An :class:`InProcessClient`'s settings, refused naming the argument: accepted, each
+    would fail every call later."""
+    check_count("max_batch_size", max_batch_size)
+    check_seconds("max_wait_ms", max_wait_ms, zero_ok=True)
+    check_count("max_queue", max_queue, none_ok=True)
+    check_count("prepare_threads", prepare_threads, none_ok=True)
+    check_seconds("request_timeout", request_timeout, none_ok=True)
+    check_count("batch_decode_threads", batch_decode_threads)
+    _waits(overload)  # type: ignore[arg-type]
+    check_flag("dynamic_batching", dynamic_batching)
+    if name is not None and (not isinstance(name, str) or not name):
+        raise ValueError(f"name must be a non-empty string, got {name!r}")
 
 
 def _never_cancelled() -> None:
@@ -466,15 +493,17 @@ class InProcessClient(ClosingContext):
         batch_decode_threads: int = 1,
         name: str | None = None,
     ) -> None:
-        # Refused here, naming the argument: accepted, each would fail every call later.
-        check_count("max_batch_size", max_batch_size)
-        check_seconds("max_wait_ms", max_wait_ms, zero_ok=True)
-        check_count("max_queue", max_queue, none_ok=True)
-        check_count("prepare_threads", prepare_threads, none_ok=True)
-        check_seconds("request_timeout", request_timeout, none_ok=True)
-        check_count("batch_decode_threads", batch_decode_threads)
-        wait_for_room = _waits(overload)
-        check_flag("dynamic_batching", dynamic_batching)
+        _check_settings(
+            max_batch_size=max_batch_size,
+            max_wait_ms=max_wait_ms,
+            dynamic_batching=dynamic_batching,
+            max_queue=max_queue,
+            prepare_threads=prepare_threads,
+            request_timeout=request_timeout,
+            overload=overload,
+            batch_decode_threads=batch_decode_threads,
+            name=name,
+        )
         if not isinstance(server_model, ServerModel):
             hint = (
                 ": for a checkpoint file, InProcessClient.from_checkpoint(model, path)"
@@ -494,9 +523,7 @@ class InProcessClient(ClosingContext):
         self.request_timeout = request_timeout
         self.batch_decode_threads = batch_decode_threads
         self._batch_decoder: ThreadPoolExecutor | None = None
-        self._wait_for_room = wait_for_room
-        if name is not None and (not isinstance(name, str) or not name):
-            raise ValueError(f"name must be a non-empty string, got {name!r}")
+        self._wait_for_room = _waits(overload)
         self._model_name = name or server_model.metadata().name
         # Every forward pass on the device's one thread, one at a time across every loop, thread
         # and client (SPEC §5), and one OpenMP team (models/device_thread.py).
@@ -542,7 +569,22 @@ class InProcessClient(ClosingContext):
         dynamic_batching: bool = True,
         **tuning: Any,
     ) -> InProcessClient:
-        """Load ``checkpoint_path`` as registry key ``model`` and wrap it in a client."""
+        """Load ``checkpoint_path`` as registry key ``model`` and wrap it in a client.
+
+        The client's settings are checked first: a misspelt one, or one out of range, is
+        refused before the load (seconds for a large model), not after it."""
+        settings = {
+            "max_batch_size": max_batch_size,
+            "max_wait_ms": max_wait_ms,
+            "dynamic_batching": dynamic_batching,
+            **tuning,
+        }
+        try:
+            bound = inspect.signature(cls.__init__).bind(None, None, **settings)
+        except TypeError as exc:
+            raise TypeError(f"{cls.__name__}.from_checkpoint(): {exc}") from None
+        bound.apply_defaults()
+        _check_settings(**{k: v for k, v in list(bound.arguments.items())[2:]})
         server_model = build_server_model(model, checkpoint_path, device, assets_dir)
         return cls(
             server_model,

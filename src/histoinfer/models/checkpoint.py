@@ -82,6 +82,13 @@ def _sniff(path: Path) -> tuple[CheckpointKind, list[zipfile.ZipInfo]]:
         return "aoti", members
     if any("/models/" in n and n.endswith(".json") for n in names):
         return "torch.export", members
+    if any(n.endswith("/data.pkl") for n in names):  # torch.save's layout
+        raise CheckpointError(
+            f"checkpoint {path} is a torch.save() file (a state_dict or a pickled module), "
+            "neither a torch.export program nor an AOTInductor package: load your weights into "
+            "the model, then torch.export.export it and torch.export.save the program "
+            "(docs/checkpoints.md, 'Exporting your own model for h1')"
+        )
     raise CheckpointError(
         f"checkpoint {path} is a zip file but neither a torch.export program nor an "
         "AOTInductor package (no models/*.json and no data/aotinductor/ entries)"
