@@ -11,6 +11,20 @@ def test_client_satisfies_protocol(client):
     assert isinstance(client, Client)
 
 
+@pytest.mark.parametrize("name", ["InProcessClient", "HttpClient"])
+def test_every_protocol_method_says_what_it_does(name):
+    """``client.predict?`` in a notebook: each method of the protocol has a docstring."""
+    import inspect
+
+    import histoinfer
+
+    cls = getattr(histoinfer, name)
+    methods = [n for n, v in vars(Client).items() if callable(v) and not n.startswith("_abc")]
+    assert "predict_batch" in methods and "__aexit__" in methods
+    missing = [n for n in methods if n in vars(Client) and not inspect.getdoc(getattr(cls, n))]
+    assert missing == []
+
+
 @pytest.mark.anyio
 async def test_async_matches_explicit_batch(client, explicit_client):
     bodies = [make_body(i) for i in range(6)]

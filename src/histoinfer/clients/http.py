@@ -57,6 +57,7 @@ from ..errors import (
     OverloadedError,
     error_for_problem_type,
 )
+from ..protocol import documented_as_client
 from ..schema import Mode, locate, parse_request
 from .arguments import check_count, check_seconds
 from .lifecycle import ClosingContext, InFlight, running_loop_here
@@ -100,6 +101,7 @@ _PLACEHOLDERS: dict[type, object] = {
 }
 
 
+@documented_as_client
 class HttpClient(ClosingContext):
     """Runs the ``Client`` protocol against a histoinfer server (``histoinfer serve``).
 

@@ -72,6 +72,7 @@ from ..models.base import SampleOutput, ServerModel, non_finite_error
 from ..models.device_thread import device_thread
 from ..models.openmp import thread_count
 from ..models.registry import build_server_model
+from ..protocol import documented_as_client
 from ..schema import MODES, BatchingSettings, Mode, ModelRequest, locate, parse_request
 from .arguments import check_count, check_flag, check_seconds
 from .cores import CoreShare
@@ -450,6 +451,7 @@ def _close_loop_states(loops: PerLoop[_LoopState]) -> None:
         state.close_soon()
 
 
+@documented_as_client
 class InProcessClient(ClosingContext):
     """Runs a :class:`ServerModel` in this process; implements the whole ``Client`` protocol.
 

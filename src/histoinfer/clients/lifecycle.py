@@ -19,6 +19,7 @@ import anyio
 import sniffio
 
 from ..errors import ClientClosedError
+from ..protocol import documented_as_client
 
 __all__ = ["ClosingContext", "InFlight", "running_loop_here"]
 
@@ -118,6 +119,7 @@ def running_loop_here() -> bool:
     return True
 
 
+@documented_as_client
 class ClosingContext:
     def close(self) -> None:
         raise NotImplementedError
