@@ -363,6 +363,23 @@ def test_demo_writes_the_file_it_names_and_records_the_weights(
     assert_one_line_error(code, err, f"--out {blocker / 'run.npz'}: cannot create its folder")
 
 
+def test_ctrl_c_while_a_command_imports_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``serve`` and ``bench`` import their module (seconds) before the command runs: a
+    Ctrl-C then printed a whole traceback."""
+    import importlib
+
+    from histoinfer import cli
+
+    def interrupted(name: str) -> object:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importlib, "import_module", interrupted)
+    assert cli.main(["serve", "--model", "h1", "--checkpoint", "x.pt2"]) == 130
+    assert capsys.readouterr().err == "histoinfer: interrupted\n"
+
+
 def test_python_dash_m_prints_no_traceback(tmp_path: Path) -> None:
     missing = tmp_path / "missing.pt2"
     proc = subprocess.run(

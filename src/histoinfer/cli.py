@@ -355,7 +355,11 @@ def _version() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    missing = _configure_plugin(parser, argv)
+    try:
+        missing = _configure_plugin(parser, argv)  # imports the command's module: seconds
+    except KeyboardInterrupt:
+        print("histoinfer: interrupted", file=sys.stderr)
+        return 130
     if missing is not None:
         print(f"histoinfer: error: {missing}", file=sys.stderr)
         return 1
