@@ -71,6 +71,7 @@ BAD: dict[str, Any] = {
     "size mismatch": _body(width=100),
     "bulk_rna on h1": _body(bulk_rna=[1.0, 2.0]),
     "not a string": 42,
+    "a dict": {"slide_name": "S1"},
     "not UTF-8": b'{"slide_name": "\xff\xfe"}',
     # A str that is not valid Unicode: no UTF-8 exists for it (HttpClient sends it as "$str").
     "a lone surrogate": _body(slide_name="S").replace('"S"', '"\ud800"'),

@@ -21,8 +21,10 @@ from typing import Any
 
 import anyio
 import httpx
+import numpy as np
 import pytest
 from helpers import make_body, outputs_close
+from PIL import Image
 from test_server_support import FlakyModel, ThreadServer, free_port, thread_server, white_body
 
 import histoinfer.clients.http as http_module
@@ -778,6 +780,22 @@ def test_a_batch_answer_that_is_not_a_list_of_responses_is_an_inference_error():
     transport = httpx.MockTransport(lambda r: httpx.Response(200, json=[{"output": [1.0]}]))
     with HttpClient("http://h", transport=transport, retries=0) as client:
         assert client.predict_batch([make_body(0)]) == ['{"output":[1.0]}']
+
+
+def test_a_tile_sent_as_a_body_points_to_tile_body():
+    """A numpy or PIL tile where the JSON string goes: refused before sending, with the
+    in-process client's words (schema.not_a_json_string)."""
+    transport = httpx.MockTransport(lambda r: pytest.fail("nothing may be sent"))
+    with HttpClient("http://h", transport=transport, retries=0) as client:
+        for tile, kind in (
+            (np.zeros((4, 4, 3), np.uint8), "ndarray"),
+            (Image.new("L", (4, 4)), "Image"),
+        ):
+            for call in (client.predict, lambda t: client.predict_batch([make_body(0), t])):
+                with pytest.raises(
+                    InvalidRequestError, match=rf"got {kind}: make one with histoinfer.tile_body\("
+                ):
+                    call(tile)
 
 
 def test_a_batch_answered_as_a_json_list_gives_each_response_verbatim():

@@ -632,7 +632,11 @@ def test_a_pass_that_fails_only_at_its_size_is_bisected_and_every_tile_answered(
     expected = client.predict_batch(bodies)
     model.reset()
     model.fail_above = 2
-    assert client.predict_batch(bodies) == expected
+    answers = client.predict_batch(bodies)
+    # The same values up to float rounding: a pass of 2 need not round as one of 4 does (it
+    # does on some CPUs, not on others: AVX2 kernels block by batch size).
+    assert len(answers) == len(expected)
+    assert all(outputs_close(a, b) for a, b in zip(answers, expected, strict=True))
     assert model.sizes() == [4, 2, 2, 4, 2, 2]
     model.fail_above = 0  # every pass fails: every tile named, once alone
     model.reset()

@@ -6,10 +6,12 @@ import contextlib
 import json
 from typing import Any
 
+import numpy as np
 import pytest
 from helpers import make_body, request_dict
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from PIL import Image
 
 from histoinfer import ModelMetadata, ModelRequest, ModelResponse
 from histoinfer.errors import InvalidRequestError
@@ -65,7 +67,9 @@ BAD_BODIES: list[tuple[str, Any, list[str]]] = [
     ("trailing garbage", make_body(0) + "}", ["not valid JSON"]),
     ("JSON array", "[]", ["object"]),
     ("JSON null", "null", ["object"]),
-    ("non-string body", {"x": 1}, ["JSON string", "dict"]),
+    ("non-string body", {"x": 1}, ["JSON string", "dict", "json.dumps() it"]),
+    ("numpy tile", np.zeros((4, 4, 3), np.uint8), ["JSON string", "ndarray", "tile_body("]),
+    ("PIL tile", Image.new("RGB", (4, 4)), ["JSON string", "Image", "tile_body("]),
     ("None body", None, ["JSON string", "NoneType"]),
     ("unknown field", body(colour="pink"), ["unknown field 'colour'", "patch_idx=3"]),
     ("missing field", without("slide_name"), ["missing", "'slide_name'", "patch_idx=3"]),

@@ -14,6 +14,7 @@ from .schema import ModelMetadata, ModelRequest, ModelResponse
 
 if TYPE_CHECKING:
     from .batching import BatchScheduler
+    from .bodies import tile_body
     from .clients.http import HttpClient
     from .clients.inprocess import InProcessClient
     from .models import ServerModel, available_models, build_server_model, register_model
@@ -33,6 +34,7 @@ __all__ = [
     "available_models",
     "build_server_model",
     "register_model",
+    "tile_body",
 ]
 
 _LAZY = {
@@ -43,6 +45,7 @@ _LAZY = {
     "available_models": "histoinfer.models",
     "build_server_model": "histoinfer.models",
     "register_model": "histoinfer.models",
+    "tile_body": "histoinfer.bodies",
 }
 
 

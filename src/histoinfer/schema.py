@@ -260,13 +260,25 @@ def locate(position: int | None) -> str:
     return "" if position is None else f" at batch position {position}"
 
 
+def not_a_json_string(body: object, position: int | None = None) -> InvalidRequestError:
+    """The error for a body that is not a JSON string, with the way to make one from what
+    was sent (the same words from every client)."""
+    if isinstance(body, dict):
+        how = ": json.dumps() it"
+    elif hasattr(body, "__array_interface__") or hasattr(body, "getpixel"):  # numpy, PIL
+        how = ": make one with histoinfer.tile_body(tile, slide_name=, x=, y=, patch_idx=)"
+    else:
+        how = ""
+    return InvalidRequestError(
+        f"invalid request{locate(position)}: body must be a JSON string, "
+        f"got {type(body).__name__}{how}"
+    )
+
+
 def parse_request(body: str | bytes, position: int | None = None) -> ModelRequest:
     """Parse one request body, raising :class:`InvalidRequestError` that names what was wrong."""
     if not isinstance(body, (str, bytes, bytearray)):
-        raise InvalidRequestError(
-            f"invalid request{locate(position)}: body must be a JSON string, "
-            f"got {type(body).__name__}"
-        )
+        raise not_a_json_string(body, position)
     try:
         return ModelRequest.model_validate_json(body)
     except ValidationError as exc:

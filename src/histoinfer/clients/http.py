@@ -58,7 +58,7 @@ from ..errors import (
     error_for_problem_type,
 )
 from ..protocol import documented_as_client
-from ..schema import Mode, locate, parse_request
+from ..schema import Mode, not_a_json_string, parse_request
 from .arguments import check_count, check_seconds
 from .lifecycle import ClosingContext, InFlight, running_loop_here
 
@@ -640,9 +640,7 @@ def _encode_body(body: str | bytes) -> bytes:
             raise InvalidRequestError("invalid request: body is not valid Unicode") from None
     if isinstance(body, bytes | bytearray):
         return bytes(body)
-    raise InvalidRequestError(
-        f"invalid request: body must be a JSON string, got {type(body).__name__}"
-    )
+    raise not_a_json_string(body)
 
 
 def _encode_batch(bodies: Sequence[object]) -> tuple[bytes, dict[str, str]]:
@@ -691,10 +689,7 @@ def _encode_verbatim(bodies: list[object]) -> bytes:
         elif type(body) in _PLACEHOLDERS:
             items.append(_PLACEHOLDERS[type(body)])
         else:
-            raise InvalidRequestError(
-                f"invalid request{locate(position)}: body must be a JSON string, "
-                f"got {type(body).__name__}"
-            )
+            raise not_a_json_string(body, position)
     try:
         return json.dumps(items, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:  # some str body is not valid Unicode (STR_KEY)
