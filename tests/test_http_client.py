@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import logging
 import re
 import ssl
 import subprocess
@@ -23,7 +24,7 @@ import anyio
 import httpx
 import numpy as np
 import pytest
-from helpers import make_body, outputs_close
+from helpers import make_body, outputs_close, serving
 from PIL import Image
 from test_server_support import FlakyModel, ThreadServer, free_port, thread_server, white_body
 
@@ -243,6 +244,40 @@ async def test_503_is_retried_until_the_server_is_ready(tiny_model):
         loaded.set()
     assert json.loads(got)["patch_idx"] == 2
     assert statuses[-1] == 200 and set(statuses[:-1]) == {503} and len(statuses) > 3
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("trained", [False, True])
+async def test_an_untrained_models_answers_say_so_and_the_client_warns_once(
+    tiny_model: Any, trained: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """In-process users are warned that a reference checkpoint is untrained; an HttpClient
+    user, whose server's log is not theirs, heard nothing (its answers said nothing)."""
+    assets = tiny_model.assets.model_copy(update={"trained": trained})
+    model = type(tiny_model)(tiny_model.checkpoint, assets, "cpu")
+    app = create_app({"h1": InProcessClient(model)}, warmup=False)
+    caplog.set_level(logging.WARNING, logger="histoinfer.untrained")
+    async with serving(app) as http:
+        single = await http.post("/api/predict/h1", content=make_body(0))
+        batch = await http.post("/api/embed/h1/batch", content=json.dumps([make_body(1)]))
+        transport = httpx.ASGITransport(app=app)
+        async with HttpClient("http://asgi", transport=transport, retries=0) as client:
+            caplog.clear()
+            with anyio.fail_after(30):
+                await client.predict_async(make_body(2))
+                await client.predict_with_embedding_async(make_body(3))
+    assert single.status_code == batch.status_code == 200
+    said = [r.getMessage() for r in caplog.records if r.name == "histoinfer.untrained"]
+    if trained:
+        assert (
+            "histoinfer-trained" not in single.headers and "histoinfer-trained" not in batch.headers
+        )
+        assert said == []
+    else:
+        assert (
+            single.headers["histoinfer-trained"] == batch.headers["histoinfer-trained"] == "false"
+        )
+        assert len(said) == 1 and "UNTRAINED" in said[0] and "'h1' at http://asgi" in said[0]
 
 
 def test_retry_policy_honours_retry_after_capped():

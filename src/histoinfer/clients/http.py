@@ -68,6 +68,8 @@ if TYPE_CHECKING:
 __all__ = ["BATCH_BODIES_JSON", "BYTES_KEY", "NDJSON", "STR_KEY", "HttpClient"]
 
 log = logging.getLogger("histoinfer.http")
+#: the logger an untrained model is announced on, in-process too (models/base.py)
+untrained_log = logging.getLogger("histoinfer.untrained")
 
 # The same values as in histoinfer.server.app (which this module must not import: FastAPI).
 #: Batch request whose elements are the bodies exactly as the caller passed them.
@@ -79,6 +81,8 @@ BYTES_KEY = "$bytes"
 STR_KEY = "$str"
 #: Batch response with one response JSON per line: split exactly, no re-serialization.
 NDJSON = "application/x-ndjson"
+#: Set to "false" on the answers of a model whose weights are untrained (server/app.py)
+TRAINED_HEADER = "histoinfer-trained"
 
 _PROBLEM_JSON = "application/problem+json"
 #: What ``json.loads`` raises on a body that is not JSON: ``ValueError`` (``UnicodeDecodeError``
@@ -187,6 +191,7 @@ class HttpClient(ClosingContext):
             None if max_in_flight is None else threading.BoundedSemaphore(max_in_flight)
         )
         self._calls = InFlight()
+        self._warned_untrained = False
         self._released = False  # the pools are closed: after close() and its calls in flight
         self._lock = threading.Lock()
         self._sync: _Shards[httpx.Client] | None = None
@@ -282,6 +287,18 @@ class HttpClient(ClosingContext):
     def __repr__(self) -> str:
         closed = " closed" if self.closed else ""
         return f"<HttpClient {self.model!r} at {self.base_url}{closed}>"
+
+    def _note_untrained(self) -> None:
+        """The server said its model's weights are untrained: said here too, once a client,
+        on the logger an in-process user hears it on (the server's own log is not theirs)."""
+        if not self._warned_untrained:
+            self._warned_untrained = True
+            untrained_log.warning(
+                "model %r at %s has seeded, UNTRAINED weights (a reference checkpoint): the "
+                "real architecture and costs, but its outputs are not biology",
+                self.model,
+                self.base_url,
+            )
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -508,6 +525,8 @@ class _Attempt:
 
     def answered(self, response: httpx.Response) -> float | None:
         if response.is_success:
+            if response.headers.get(TRAINED_HEADER) == "false":
+                self.client._note_untrained()
             return None
         if response.status_code in _RETRY_STATUSES and self.number < self.client.retries:
             log.debug("HTTP %d from %s; retrying", response.status_code, self.url)

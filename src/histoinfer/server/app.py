@@ -90,6 +90,9 @@ BYTES_KEY = "$bytes"
 STR_KEY = "$str"
 #: Batch response type with one response JSON per line: split exactly, without re-parsing.
 NDJSON = "application/x-ndjson"
+#: "false" on every answer of a model with untrained weights (a reference checkpoint), for
+#: HttpClient to warn its user as in-process users are warned; absent for trained models
+TRAINED_HEADER = "histoinfer-trained"
 
 _JSON = "application/json"
 _Endpoint = TypeVar("_Endpoint", bound=Callable[..., Any])
@@ -481,6 +484,21 @@ def _prefers_ndjson(accept: str) -> bool:
     return ndjson > 0 and ndjson >= quality.get(_JSON, 0.0)
 
 
+def _said_untrained(
+    client: InProcessClient, respond: Callable[[_Answer], Response]
+) -> Callable[[_Answer], Response]:
+    """``respond``, with :data:`TRAINED_HEADER` on its answers if the model is untrained."""
+    if client.server_model.assets.trained:
+        return respond
+
+    def untrained(answer: _Answer) -> Response:
+        response = respond(answer)
+        response.headers[TRAINED_HEADER] = "false"
+        return response
+
+    return untrained
+
+
 def _json(text: str) -> Response:
     return Response(content=text, media_type=_JSON)
 
@@ -624,7 +642,7 @@ def create_app(
         """One tile's answer: refused at once by a full queue (SPEC §4), and cancelled if its
         client hangs up (unless the app was told not to)."""
         work = partial(client.infer_async, body, mode, overload="reject")
-        return await _in_flight(request, work, _json, state)
+        return await _in_flight(request, work, _said_untrained(client, _json), state)
 
     async def infer(request: Request) -> Response:
         """One tile through ``mode`` (predict, embed or predict_with_embedding).
@@ -694,7 +712,8 @@ def create_app(
         )
         work = partial(anyio.to_thread.run_sync, run)
         ndjson = _prefers_ndjson(request.headers.get("accept", ""))
-        return await _in_flight(request, work, _ndjson if ndjson else _json_list, state)
+        respond = _said_untrained(client, _ndjson if ndjson else _json_list)
+        return await _in_flight(request, work, respond, state)
 
     @app.post(
         "/invocations",
