@@ -206,6 +206,11 @@ def test_compressed_members_are_checked_too(tmp_path: Path) -> None:
             "CUDA is not available",
             marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here"),
         ),
+        pytest.param(
+            "mps",
+            "mps is not available here",
+            marks=pytest.mark.skipif(torch.backends.mps.is_available(), reason="MPS is here"),
+        ),
     ],
 )
 def test_unusable_device_names_the_file(tiny_checkpoint: Path, device: str, fragment: str) -> None:

@@ -202,6 +202,15 @@ def resolve_device(device: str | torch.device, path: Path) -> torch.device:
                 f"cannot load checkpoint {path} on {device!r}: only "
                 f"{torch.cuda.device_count()} CUDA device(s) here"
             )
+    elif resolved.type != "cpu":  # mps, xpu...: torch.<type>.is_available(), where it says
+        backend = getattr(torch, resolved.type, None)
+        available = getattr(backend, "is_available", None)
+        if callable(available) and not available():
+            raise CheckpointError(
+                f"cannot load checkpoint {path} on {device!r}: {resolved.type} is not available "
+                f"here (torch {torch.__version__}); use device='cpu' (--device cpu on the "
+                f"command line)"
+            )
     return resolved
 
 
