@@ -204,7 +204,7 @@ def test_close_lets_sync_calls_in_flight_finish_then_refuses(tiny_model: ServerM
     assert len(got) + len(refused) == len(indices) and got  # each either answered or refused
     want = dict(zip(indices, expected(tiny_model, indices), strict=True))
     assert [i for i in got if not outputs_close(got[i], want[i])] == []
-    with pytest.raises(ClientClosedError):
+    with pytest.raises(ClientClosedError, match="make a new client to go on"):
         client.predict(body(0))
     assert portal_thread is not None and not portal_thread.is_alive()
     assert client._portal is None  # a refused call did not start a new portal

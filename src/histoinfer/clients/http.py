@@ -60,7 +60,7 @@ from ..errors import (
 from ..protocol import documented_as_client
 from ..schema import Mode, not_a_json_string, parse_request
 from .arguments import check_count, check_seconds
-from .lifecycle import ClosingContext, InFlight, running_loop_here
+from .lifecycle import CLIENT_CLOSED, ClosingContext, InFlight, running_loop_here
 
 if TYPE_CHECKING:
     from ..batching.stats import StatsSnapshot
@@ -385,13 +385,13 @@ class HttpClient(ClosingContext):
     # -- pools -------------------------------------------------------------------------------
 
     def _closed_error(self, exc: RuntimeError) -> Exception:
-        return ClientClosedError("the client is closed") if self._released else exc
+        return ClientClosedError(CLIENT_CLOSED) if self._released else exc
 
     def _sync_shards(self) -> _Shards[httpx.Client]:
         """The sync calls' httpx clients (split as each loop's are; made on first use)."""
         with self._lock:
             if self._released:
-                raise ClientClosedError("the client is closed")
+                raise ClientClosedError(CLIENT_CLOSED)
             if self._sync is None:
                 self._sync = _Shards(self._options, httpx.Client, threading.Lock())
             return self._sync
@@ -401,7 +401,7 @@ class HttpClient(ClosingContext):
         key = _loop_key()
         with self._lock:
             if self._released:
-                raise ClientClosedError("the client is closed")
+                raise ClientClosedError(CLIENT_CLOSED)
             pool = self._pools.get(key)
             if pool is not None:
                 return pool
@@ -511,7 +511,7 @@ class _Attempt:
 
     def failed(self, exc: httpx.HTTPError) -> float:
         if self.client._released:  # its pool was closed under it (see HttpClient.close)
-            raise ClientClosedError("the client is closed") from exc
+            raise ClientClosedError(CLIENT_CLOSED) from exc
         if not isinstance(exc, _RETRY_ERRORS) or self.number >= self.client.retries:
             tries = f" after {self.number + 1} attempts" if self.number else ""
             if isinstance(exc, httpx.TimeoutException):
@@ -874,7 +874,7 @@ class _Shards(Generic[_C]):
             client = self._clients[i]
             if client is None:
                 if self._closed:  # never open a pool that nothing would close
-                    raise ClientClosedError("the client is closed")
+                    raise ClientClosedError(CLIENT_CLOSED)
                 self._options.share()
                 client = self._clients[i] = self._make(**self._options.shards[i])
             active[i] += 1

@@ -76,7 +76,7 @@ from ..protocol import documented_as_client
 from ..schema import MODES, BatchingSettings, Mode, ModelRequest, locate, parse_request
 from .arguments import check_count, check_flag, check_seconds
 from .cores import CoreShare
-from .lifecycle import ClosingContext, InFlight, running_loop_here
+from .lifecycle import CLIENT_CLOSED, ClosingContext, InFlight, running_loop_here
 from .portal import PortalThread
 
 __all__ = ["InProcessClient"]
@@ -620,7 +620,7 @@ class InProcessClient(ClosingContext):
 
     def metadata(self) -> str:
         if self._calls.closed:  # as HttpClient, and every other method: closed means closed
-            raise ClientClosedError("the client is closed")
+            raise ClientClosedError(CLIENT_CLOSED)
         return self._metadata_json
 
     # -- Client protocol: explicit batches ---------------------------------------------------
@@ -892,7 +892,7 @@ class InProcessClient(ClosingContext):
             futures = [pool.submit(decode, body, position=i) for i, body in enumerate(bodies)]
         except RuntimeError:
             if self._calls.closed:  # close() from a thread with a running loop stopped the pool
-                raise ClientClosedError("the client is closed") from None
+                raise ClientClosedError(CLIENT_CLOSED) from None
             raise
         try:
             decoded = []
@@ -968,13 +968,13 @@ class InProcessClient(ClosingContext):
             return portal.call(fn, body)
         except RuntimeError:
             if self._calls.closed:  # the portal stopped under us: close() won the race
-                raise ClientClosedError("the client is closed") from None
+                raise ClientClosedError(CLIENT_CLOSED) from None
             raise
 
     def _get_portal(self) -> PortalThread:
         with self._threads_lock:
             if self._calls.closed:  # never start a portal for a closed client
-                raise ClientClosedError("the client is closed")
+                raise ClientClosedError(CLIENT_CLOSED)
             if self._portal is None:
                 self._portal = PortalThread(name=f"histoinfer-portal-{self._model_name}")
                 # Stops the portal if the client is dropped, or at interpreter exit.

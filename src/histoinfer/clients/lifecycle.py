@@ -21,7 +21,10 @@ import sniffio
 from ..errors import ClientClosedError
 from ..protocol import documented_as_client
 
-__all__ = ["ClosingContext", "InFlight", "running_loop_here"]
+__all__ = ["CLIENT_CLOSED", "ClosingContext", "InFlight", "running_loop_here"]
+
+#: Why a call on a closed client is refused, and what to do: closing is not undone.
+CLIENT_CLOSED = "the client is closed (for good: make a new client to go on)"
 
 log = logging.getLogger("histoinfer.client")
 
@@ -60,7 +63,7 @@ class InFlight:
     def enter(self) -> None:
         with self._idle:
             if self.closed:
-                raise ClientClosedError("the client is closed")
+                raise ClientClosedError(CLIENT_CLOSED)
             self._active += 1
 
     def exit(self) -> None:
