@@ -8,6 +8,8 @@ This module imports nothing else of ours: it is part of the contract.
 
 from __future__ import annotations
 
+import threading
+
 __all__ = [
     "ClientClosedError",
     "DeadlineExceededError",
@@ -97,8 +99,9 @@ class ThreadAbortedError(RuntimeError):
 
     @classmethod
     def contain(cls, exc: BaseException, what: str) -> BaseException:
-        """``exc`` as it may leave a worker thread: an ``Exception`` unchanged, else wrapped."""
-        if isinstance(exc, Exception):
+        """``exc`` as it may leave the current thread: an ``Exception``, or anything on the
+        main thread (where a ``KeyboardInterrupt`` is Ctrl-C), unchanged; else wrapped."""
+        if isinstance(exc, Exception) or threading.current_thread() is threading.main_thread():
             return exc
         error = cls(f"{what} raised {exc!r}, which is not an Exception")
         error.__cause__ = exc

@@ -664,11 +664,12 @@ class BatchScheduler(Generic[T, R]):
         try:
             results = self.batch_fn([p.item for p in live]) if live else []
         except BaseException as exc:
-            if isinstance(exc, Exception) or threading.current_thread() is threading.main_thread():
-                raise
             # SystemExit, a user's BaseException...: bisected like any failure, not taken by
             # the loop for its own cancellation (which would fail every caller of the batch).
-            raise ThreadAbortedError.contain(exc, f"{self.name}: the batch function") from exc
+            contained = ThreadAbortedError.contain(exc, f"{self.name}: the batch function")
+            if contained is exc:
+                raise
+            raise contained from exc
         finally:
             # Timed here, on its thread: from the loop, the time would include the hand-offs
             # and the loop's wake-up, and under load its wait for the thread.

@@ -586,7 +586,8 @@ class InProcessClient(ClosingContext):
         except TypeError as exc:
             raise TypeError(f"{cls.__name__}.from_checkpoint(): {exc}") from None
         bound.apply_defaults()
-        _check_settings(**{k: v for k, v in list(bound.arguments.items())[2:]})
+        own = ("self", "server_model")
+        _check_settings(**{k: v for k, v in bound.arguments.items() if k not in own})
         server_model = build_server_model(model, checkpoint_path, device, assets_dir)
         return cls(
             server_model,

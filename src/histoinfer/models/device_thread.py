@@ -123,9 +123,7 @@ class DeviceThread:
             with self._running:
                 result = fn(*args)
         except BaseException as exc:  # the future carries it to the caller; the thread lives on
-            if threading.current_thread() is self._thread:  # never a signal here: contained
-                exc = ThreadAbortedError.contain(exc, f"a job on thread {self.name!r}")
-            future.set_exception(exc)
+            future.set_exception(ThreadAbortedError.contain(exc, f"a job on thread {self.name!r}"))
         else:
             future.set_result(result)
 

@@ -494,8 +494,7 @@ def _said_untrained(
 
     def untrained(answer: _Answer) -> Response:
         response = respond(answer)
-        # Appended to the raw list: through response.headers (a MutableHeaders built and
-        # searched each time) it cost the event loop ~0.04 ms a request, 3-5% of its CPU.
+        # Appended to the raw list: ~1 µs; response.headers builds a MutableHeaders each time.
         response.raw_headers.append(_UNTRAINED)
         return response
 
