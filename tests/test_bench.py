@@ -33,7 +33,9 @@ from histoinfer.bench.measure import (
     Sample,
     ThreadClock,
     check_responses,
+    closed_loop_latencies,
     cpu_split,
+    percentile,
     thread_cpu_clocks,
 )
 from histoinfer.bench.names import PATH_NAMES
@@ -47,6 +49,7 @@ from histoinfer.bench.runner import (
     quick_config,
     reference_indices,
     run_bench,
+    suspect_rows,
     throughput_checks,
     verdict,
 )
@@ -260,6 +263,61 @@ def test_the_http_paths_process_loads_no_model(
         open_path(replace(spec, name="explicit"))
 
 
+def test_the_http_paths_server_counters_are_read_outside_its_cpu_clocks(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reading /metrics costs the bench process CPU (a new httpx client each time): read
+    inside the CPU window, it was nearly all of the HTTP path's "other" CPU at 32 tiles."""
+    import anyio.from_thread
+
+    from histoinfer.bench.paths import HttpLoopback
+
+    spin_s = 0.2
+
+    class Server:
+        reads = 0
+
+        def metrics(self) -> dict[str, float]:
+            end = time.process_time() + spin_s  # what a read costs, made large
+            while time.process_time() < end:
+                pass
+            self.reads += 1
+            return {"batches": 10.0 * self.reads, "samples": 40.0 * self.reads, "forward_s": 0.5}
+
+        def cpu_s(self) -> float:
+            return 0.0
+
+        def close(self) -> None:
+            pass
+
+    class Client:
+        async def predict_async(self, body: str) -> str:
+            return json.dumps({"patch_idx": json.loads(body)["patch_idx"]})
+
+        async def aclose(self) -> None:
+            pass
+
+    def fake_open(self: HttpLoopback) -> None:
+        self.server = Server()  # type: ignore[assignment]
+        self._client = Client()
+        self._counters = {}
+        self._portal_context = anyio.from_thread.start_blocking_portal("asyncio")
+        self._portal = self._portal_context.__enter__()
+
+    monkeypatch.setattr(HttpLoopback, "unavailable", lambda self: None)
+    monkeypatch.setattr(HttpLoopback, "open", fake_open)
+    (workdir / "bodies-4-seed0.json").write_text(json.dumps(make_bodies(4)))
+    checkpoint = str(workdir / "h1-tiny" / "model.pt2")
+    opened = open_path(PathSpec("tiny", "http", checkpoint, 4, 0, str(workdir), 4, 5.0))
+    try:
+        sample = opened.measure(4, 4)
+    finally:
+        opened.close()
+    assert opened.path.server.reads == 2  # type: ignore[attr-defined]
+    assert sample.batches == 10 and sample.samples == 40 and sample.forward_busy_s == 0.0
+    assert sample.cpu_s is not None and sample.cpu_s < spin_s
+
+
 def test_http_path_reports_why_it_cannot_run() -> None:
     reason = http_unavailable()
     assert reason is None or (isinstance(reason, str) and reason)
@@ -297,6 +355,12 @@ def test_run_bench_smoke_writes_json_markdown_and_plot(workdir: Path, tmp_path: 
     for row in rows:
         assert row["rounds"] == 2
         assert row["throughput"] > 0
+        assert [r["throughput"] for r in row["per_round"]] == pytest.approx(
+            row["throughput_rounds"], abs=0.06
+        )
+        for measured_round in row["per_round"]:  # every round's own figures, kept
+            assert 0 < measured_round["latency_ms"]["p50"] <= measured_round["latency_ms"]["p99"]
+            assert measured_round["cpu_ms_per_tile"] > 0
         assert 0 < row["latency_ms"]["p50"] <= row["latency_ms"]["p99"]
         assert row["tiles"] == 8 if row["concurrency"] == 1 else row["tiles"] == 16
         assert row["cpu_ms_per_tile"] > 0
@@ -340,7 +404,13 @@ def test_run_bench_smoke_writes_json_markdown_and_plot(workdir: Path, tmp_path: 
         "dynamic-trio",
     }
 
+    for lone in data["latency"]["rows"]:
+        assert 0 < lone["p50_ms"] <= lone["p95_ms"] <= lone["p99_ms"]
+        assert len(lone["p95_ms_rounds"]) == len(lone["p99_ms_rounds"]) == 2
+
     md = (out / "report.md").read_text()
+    assert "| model | variant | p50 ms | p95 ms | p99 ms | p50 per round |" in md
+    assert "nearest-rank" in md
     assert "| model | path | mode | in flight |" in md
     assert "of which forward / main / other |" in md
     assert "## Targets (issues 3 and 5)" in md
@@ -554,6 +624,52 @@ def test_a_target_is_decided_only_when_every_round_falls_on_one_side_of_it() -> 
     samples[("tiny", "explicit", "predict", 8)] = []
     missing = throughput_checks(samples, cfg)[0].as_dict()
     assert missing["decided"] is None and verdict(missing) == "not measured"
+
+
+def test_percentiles_are_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 21)]  # 1..20, shuffled order must not matter
+    values.reverse()
+    assert percentile(values, 0.5) == 10.0  # ceil(0.5 * 20) = the 10th smallest
+    assert percentile(values, 0.95) == 19.0  # 0.95 * 20 is 19.000000000000004 in floats
+    assert percentile(values, 0.99) == 20.0  # of fewer than 100: the slowest one
+    assert percentile(list(map(float, range(1, 33))), 0.95) == 31.0  # ceil(30.4)
+    assert percentile([3.0], 0.0) == 3.0 and percentile([], 0.5) == 0.0
+
+
+def test_chunked_paths_latencies_count_the_wait_behind_earlier_chunks() -> None:
+    # 4 requests, answered in chunks of 2 at t=1 and t=3, measured from t=0.
+    done = [1.0, 1.0, 3.0, 3.0]
+    # All 4 in flight at once (a burst): the second chunk waited for the first.
+    assert closed_loop_latencies(0.0, done, 4) == [1.0, 1.0, 3.0, 3.0]
+    # 2 in flight: requests 2 and 3 were sent when 0 and 1 were answered.
+    assert closed_loop_latencies(0.0, done, 2) == [1.0, 1.0, 2.0, 2.0]
+
+
+def test_a_disturbed_round_is_flagged_and_decides_nothing() -> None:
+    def sample(tiles_per_s: float) -> Sample:
+        return Sample(tiles=100, wall_s=100 / tiles_per_s, latencies_s=[0.1])
+
+    cfg = BenchConfig(levels=(8,), modes=("predict",), paths=("explicit", "dynamic-asyncio"))
+    samples: Samples = {  # round 2's explicit loop ran while the machine was taken away
+        ("tiny", "dynamic-asyncio", "predict", 8): [sample(500)] * 5,
+        ("tiny", "explicit", "predict", 8): [sample(400), sample(40), *[sample(400)] * 3],
+    }
+    far = next(c.as_dict() for c in throughput_checks(samples, cfg) if c.issue == "3")
+    assert far["rounds_met"] == 5 and far["disturbed"] == [1] and far["decided"] is False
+    assert verdict(far) == "met in every round (5 of 5); disturbed round 2 (12.50): not decided"
+    rows = [
+        {"model": "tiny", "path": p, "mode": "predict", "concurrency": 8, "in_flight": 8}
+        | {"throughput": tp, "throughput_rounds": rounds}
+        for p, tp, rounds in (
+            ("raw", 100.0, [100.0, 100.0, 100.0]),
+            ("explicit", 90.0, [90.0, 20.0, 91.0]),
+            ("dynamic-asyncio", 101.0, [101.0, 99.0, 102.0]),
+        )
+    ]
+    notes = {n["path"]: n["note"] for n in suspect_rows(rows)}
+    assert set(notes) == {"explicit", "dynamic-asyncio"}
+    assert "disturbed round 2 (20.0 tiles/s)" in notes["explicit"]
+    assert "above the raw forward pass's 100.0" in notes["dynamic-asyncio"]
 
 
 @pytest.mark.parametrize(

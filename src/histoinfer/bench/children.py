@@ -86,6 +86,7 @@ class OpenPath:
         threads, server_s = thread_cpu_clocks(), self.path.external_cpu_s() - server0
         server = server_s if self.path.external else None
         split = cpu_split(threads0, threads, process_s, server, self.path.loop_thread)
+        sample = self.path.finish(sample)  # outside the clocks
         return replace(sample, cpu_s=process_s + server_s, cpu_split_s=split)
 
     def close(self) -> None:

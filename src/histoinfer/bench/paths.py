@@ -13,7 +13,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -27,7 +27,14 @@ from ..models.base import ServerModel, stack_tiles
 from ..models.device_thread import device_thread
 from ..schema import Mode
 from .loopback import ServerProcess, http_unavailable
-from .measure import Expected, Sample, check_responses, drive_async, drive_threads
+from .measure import (
+    Expected,
+    Sample,
+    check_responses,
+    closed_loop_latencies,
+    drive_async,
+    drive_threads,
+)
 from .peers import AsyncBatcherPeer, Pipeline, QueueBatcherPeer, forward_thread
 
 __all__ = ["PATHS", "BenchContext", "BenchPath", "make_paths"]
@@ -91,6 +98,11 @@ class BenchPath(ABC):
         """Before a measurement, outside its clocks (wall and CPU): what a long-running user
         would have done already (the HTTP path opens its connections)."""
 
+    def finish(self, sample: Sample) -> Sample:
+        """After a measurement, outside its clocks: ``sample`` with what the path reads only
+        afterwards (the HTTP path: the server's batch counters)."""
+        return sample
+
     @property
     def external(self) -> bool:
         """Whether part of it runs in another process (it overrides ``external_cpu_s``)."""
@@ -122,10 +134,12 @@ class RawForward(BenchPath):
         model = self.ctx.server_model
         chunks = _chunks(len(bodies), min(concurrency, self.ctx.max_batch_size))
         tiles = self.ctx.tiles
-        latencies: list[float] = []
+        done: list[float] = []
         clock = time.perf_counter
+        started = 0.0
 
         def run() -> float:
+            nonlocal started
             # Stacked here, before the clock: a torch op on any other thread (this process's
             # main thread) would leave a second OpenMP team in the process, and every small
             # pass would run in the slow regime (models/device_thread.py): ~3x for one tile.
@@ -134,14 +148,15 @@ class RawForward(BenchPath):
             batches = [list(stack) for stack in stacks]  # its rows: views, no copy
             started = clock()
             for batch in batches:
-                t0 = clock()
                 shards.forward(model, batch, mode)
-                latencies.extend([clock() - t0] * len(batch))
+                done.extend([clock()] * len(batch))
             return clock() - started
 
         # On the device's thread, where the clients run every forward pass: the same OpenMP
         # team, so the limit is measured in the regime the clients get (models/device_thread).
         wall = device_thread(model.device).call(run)
+        latencies = closed_loop_latencies(started, done, concurrency)
+        # Busy for its whole wall time by definition (the report says so): nothing but passes.
         return Sample(len(bodies), wall, latencies, len(chunks), len(bodies), wall)
 
 
@@ -194,14 +209,14 @@ class ExplicitLoop(_ClientPath):
 
         def run() -> tuple[float, list[float], list[str | None]]:
             responses: list[str | None] = []
-            latencies: list[float] = []
+            done: list[float] = []
             clock = time.perf_counter
             started = clock()
             for r in _chunks(len(bodies), chunk):
-                t0 = clock()
                 responses.extend(call([bodies[i] for i in r]))
-                latencies.extend([clock() - t0] * len(r))
-            return clock() - started, latencies, responses
+                done.extend([clock()] * len(r))
+            wall = clock() - started
+            return wall, closed_loop_latencies(started, done, concurrency), responses
 
         return self._with_stats(mode, run)
 
@@ -346,6 +361,7 @@ class HttpLoopback(BenchPath):
             model=self.model,
         )
         self.note = f"client: histoinfer.HttpClient; server: {' '.join(self.server.command[1:])}"
+        self._counters: dict[str, float] = {}  # the server's, before a measurement
         # One client on one event loop for the path's life, as a service keeps one (a client
         # per measurement, on a loop of its own, timed opening its connections every time).
         self._portal_context = anyio.from_thread.start_blocking_portal("asyncio")
@@ -376,13 +392,19 @@ class HttpLoopback(BenchPath):
         wanted = min(concurrency, len(bodies))
         call = getattr(self._client, f"{mode}_async")
         self._portal.call(drive_async, call, bodies[:wanted], wanted)
+        # The server's counters, read outside the CPU clocks: a read costs ~60 ms of this
+        # process's CPU (a new httpx client each time), which was ~all of the HTTP path's
+        # "other" CPU at 32 tiles (session 21's review).
+        self._counters = self.server.metrics()
 
     def measure(self, bodies: Sequence[str], concurrency: int, mode: Mode) -> Sample:
         call = getattr(self._client, f"{mode}_async")
-        before = self.server.metrics()
         wall, latencies, responses = self._portal.call(drive_async, call, bodies, concurrency)
-        after = self.server.metrics()
         check_responses(responses, self.name, self.ctx.expected.get(mode))
+        return Sample(len(bodies), wall, latencies)
+
+    def finish(self, sample: Sample) -> Sample:
+        before, after = self._counters, self.server.metrics()
 
         def delta(key: str) -> float | None:
             if key not in before or key not in after:
@@ -390,13 +412,11 @@ class HttpLoopback(BenchPath):
             return after[key] - before[key]
 
         batches, samples = delta("batches"), delta("samples")
-        return Sample(
-            len(bodies),
-            wall,
-            latencies,
-            None if batches is None else round(batches),
-            None if samples is None else round(samples),
-            delta("forward_s"),
+        return replace(
+            sample,
+            batches=None if batches is None else round(batches),
+            samples=None if samples is None else round(samples),
+            forward_busy_s=delta("forward_s"),
         )
 
 

@@ -28,6 +28,15 @@ def _runners(runners: dict[str, str] | None) -> str:
     return " The program runs as: " + "; ".join(f"{m}: {r}" for m, r in runners.items()) + "."
 
 
+def _rounds(cfg: dict[str, Any], report: dict[str, Any]) -> str:
+    """How many rounds ran: the small model runs at most ``small_rounds``."""
+    rounds, small = cfg["rounds"], cfg.get("small_rounds", cfg["rounds"])
+    rows = (report.get("throughput") or {}).get("rows") or []
+    if min(rounds, small) == rounds or not any(r["model"] == "small" for r in rows):
+        return str(rounds)
+    return f"{rounds} (the small model's sweep: {min(rounds, small)})"
+
+
 def _load(values: list[float] | None) -> str:
     return "–" if not values else "/".join(f"{v:.2f}" for v in values)
 
@@ -40,7 +49,17 @@ def _in_flight(row: dict[str, Any]) -> str:
 _BURST_NOTE = (
     "Where the requests in flight are as many as the tiles measured, each caller sends one "
     "request: a burst, all at once, not a steady state (its p50 is about half the burst's "
-    "time); the explicit loop and the raw forward then run chunks of max_batch_size."
+    "time). The explicit loop and the raw forward run chunks of at most max_batch_size; their "
+    "latencies are what the same callers would see, waiting behind earlier chunks included."
+)
+
+_COLUMNS_NOTE = (
+    "Each figure is its own median over the rounds, so one row's figures may come from "
+    "different rounds (`report.json` holds every round's); a target is the median of its "
+    "per-round ratios. Latency percentiles are nearest-rank: of fewer than 100 requests, p99 "
+    "is the slowest one. *Forward busy* is the device thread's time in batches over wall "
+    "time: at 1 in flight the dynamic paths decode a lone request there too, so it includes "
+    "a decode; the raw forward's is its wall time by definition."
 )
 
 
@@ -80,7 +99,9 @@ def _checks_table(checks: list[dict[str, Any]]) -> list[str]:
     for c in checks:
         bound = ("≥ " if c["higher_is_better"] else "≤ ") + f"{c['target']:g}"
         rounds = ", ".join(f"{v:.2f}" for v in c["per_round"])
-        result = verdict(c).replace("met", "**met**", 1) if c["met"] else verdict(c)
+        # Bold only what the rounds decided: a median met by chance is not a result.
+        decided = c["met"] and c.get("decided")
+        result = verdict(c).replace("met", "**met**", 1) if decided else verdict(c)
         issue = f"#{c['issue']}" if c["issue"] else "–"
         rows.append([c["name"], issue, _num(c["value"], 3), bound, rounds, result, c["detail"]])
     return _table(headers, rows)
@@ -154,7 +175,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"load average {_load(env['load_average'])} → {_load(env.get('load_average_end'))}. "
         f"max_batch_size {cfg['max_batch_size']}, max_wait_ms {cfg['max_wait_ms']}"
         f"{precision}; "
-        f"medians over {cfg['rounds']} interleaved rounds."
+        f"medians over {_rounds(cfg, report)} interleaved rounds."
         + (f" CPU forward passes: {env['cpu_passes']}." if env.get("cpu_passes") else "")
         + _runners(env.get("program_runner"))
         + (
@@ -184,6 +205,7 @@ def markdown(report: dict[str, Any]) -> str:
             for row in throughput["rows"]
         ]
         out += ["## Throughput and latency", "", *_table(headers, rows)]
+        out += [_COLUMNS_NOTE, ""]
         if any(row.get("in_flight", 0) == row["tiles"] > 1 for row in throughput["rows"]):
             out += [_BURST_NOTE, ""]
         if any(row.get("cpu_ms_per_tile_by_role") for row in throughput["rows"]):
@@ -213,9 +235,15 @@ def markdown(report: dict[str, Any]) -> str:
         rows = []
         for row in latency["rows"]:
             rounds = ", ".join(f"{v:.2f}" for v in row["p50_ms_rounds"])
-            rows.append([row["model"], row["variant"], f"{row['p50_ms']:.2f}", rounds])
+            tails = [_num(row.get(q), 2) for q in ("p95_ms", "p99_ms")]  # older: p50 only
+            rows.append([row["model"], row["variant"], f"{row['p50_ms']:.2f}", *tails, rounds])
         out += ["## Lone request latency (concurrency 1, max_wait_ms=5)", ""]
-        out += _table(["model", "variant", "p50 ms (median)", "per round"], rows)
+        headers = ["model", "variant", "p50 ms", "p95 ms", "p99 ms", "p50 per round"]
+        out += _table(headers, rows)
+        out += [
+            "Medians over rounds of each round's percentiles; the targets read the p50.",
+            "",
+        ]
         checks += latency["checks"]
     if checks:
         out += ["## Targets (issues 3 and 5)", "", *_checks_table(checks)]
@@ -262,14 +290,16 @@ def plot(report: dict[str, Any], path: Path) -> bool:
     fig, axes = plt.subplots(len(models), 2, figsize=(12, 4.5 * len(models)), squeeze=False)
     for (ax_tp, ax_lat), model in zip(axes, models, strict=True):
         rows = [row for row in throughput["rows"] if row["model"] == model]
+        bursts = any(r.get("in_flight", 0) == r["tiles"] > 1 for r in rows)
+        burst = " (the largest: one burst of every tile)" if bursts else ""
         modes = list(dict.fromkeys(_mode(row) for row in rows))
         paths = list(dict.fromkeys(row["path"] for row in rows))
         for name, mode in dict.fromkeys((row["path"], _mode(row)) for row in rows):
             series = sorted(
                 (r for r in rows if (r["path"], _mode(r)) == (name, mode)),
-                key=lambda r: r["concurrency"],
+                key=lambda r: int(_in_flight(r)),
             )
-            xs = [r["concurrency"] for r in series]
+            xs = [int(_in_flight(r)) for r in series]  # as measured, as the table says
             # One colour per path, one line style per mode.
             style: dict[str, Any] = {"marker": "o", "color": f"C{paths.index(name) % 10}"}
             style["label"] = name if len(modes) == 1 else f"{name} ({mode})"
@@ -282,7 +312,7 @@ def plot(report: dict[str, Any], path: Path) -> bool:
         ):
             ax.set_xscale("log", base=2)
             ax.set_title(f"h1 {model}: {title}")
-            ax.set_xlabel("requests in flight")
+            ax.set_xlabel("requests in flight" + burst)
             ax.set_ylabel(unit)
             ax.grid(True, which="both", alpha=0.3)
         ax_lat.set_yscale("log")
