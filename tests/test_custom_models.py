@@ -139,8 +139,13 @@ async def test_a_subclass_failing_fails_its_own_request_alike_everywhere(
         for client in (dynamic, one):
             with pytest.raises(ModelExecutionError, match=message):  # alone
                 await client.predict_async(bodies[BAD])
+        errors = dynamic.stats()["predict"].errors
         with pytest.raises(ModelExecutionError, match=message):
             dynamic.predict_batch(bodies)
+        # Counted as a single call's is: postprocess, after the pass (in a batch it was not);
+        # prepare_sample, before any queue, not (a single call's is not either).
+        counted = 1 if kind is FailingPostprocess else 0
+        assert dynamic.stats()["predict"].errors == errors + counted
 
         outcomes = await _all_at_once(dynamic, bodies)
         failed = outcomes.pop(BAD)

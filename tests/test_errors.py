@@ -63,6 +63,7 @@ def test_problem_type_maps_back_to_the_same_class(cls: type[InferenceError]) -> 
     [
         (400, UnsupportedModeError),
         (404, InvalidRequestError),
+        (408, InvalidRequestError),
         (413, InvalidRequestError),
         (422, InvalidRequestError),
         (503, OverloadedError),

@@ -243,9 +243,9 @@ async def test_a_given_limiter_is_the_one_used() -> None:
     assert seen == [1]
 
 
-async def test_bisection_isolates_a_poisoned_item() -> None:
+async def test_bisection_isolates_a_poisoned_item(caplog: pytest.LogCaptureFixture) -> None:
     results: dict[int, Any] = {}
-    with HeldBatchFn(poison=[7]) as fn, anyio.fail_after(10):
+    with HeldBatchFn(poison=[7]) as fn, anyio.fail_after(10), caplog.at_level("WARNING"):
         sched = BatchScheduler(fn, max_batch_size=16)
         await _queued_behind_a_held_batch(fn, sched, range(12), results)
     assert isinstance(results.pop(7), ValueError)
@@ -254,7 +254,24 @@ async def test_bisection_isolates_a_poisoned_item() -> None:
     assert sum(7 in b for b in fn.batches) <= 5  # then halved: log2(12) + 1 tries at most
     snap = sched.stats.snapshot()
     assert snap.errors == 1 and snap.error_kinds == {"ValueError": 1}
-    assert snap.batches == 2 and snap.samples == 13  # dispatched: [100] and the 12
+    # Dispatched: [100] and the 12, of which 11 answered; the failing item is no sample.
+    assert snap.batches == 2 and snap.samples == 12
+    # One line for the batch, not one for every split (37 lines for 40 failures before).
+    assert [r.getMessage() for r in caplog.records if "bisecting" in r.getMessage()] == [
+        "batch: batch of 12 failed (ValueError('poisoned items [7]')); bisecting"
+    ]
+
+
+async def test_a_batch_function_that_always_fails_counts_no_batch() -> None:
+    """A broken device: errors rise and batches stay flat (the alert in docs/server.md reads
+    both); counted as batches, the failures looked like work done."""
+    results: dict[int, Any] = {}
+    with HeldBatchFn(poison=range(6)) as fn, anyio.fail_after(10):
+        sched = BatchScheduler(fn, max_batch_size=16)
+        await _queued_behind_a_held_batch(fn, sched, range(6), results)
+    assert all(isinstance(results[i], ValueError) for i in range(6))
+    snap = sched.stats.snapshot()
+    assert snap.errors == 6 and snap.batches == 1 and snap.samples == 1  # [100] alone
 
 
 class _UsersOwnBaseException(BaseException):

@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from concurrency_helpers import gated_model
+from concurrency_helpers import gated_model, hooked_model
 from helpers import make_body, outputs_close, request_dict, serving
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -25,6 +25,7 @@ from histoinfer.errors import InvalidRequestError
 from histoinfer.models.h1 import H1ServerModel
 from histoinfer.schema import Mode, ModelRequest, ModelResponse
 from histoinfer.server import ServerState, create_app
+from histoinfer.server.problems import LogThrottle
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -77,9 +78,14 @@ async def test_problem_json_for_every_kind_of_error(tiny_model):
         p = assert_problem(await http.get("/no/such/route"), 404)
         assert p["type"] == "about:blank"
         assert_problem(await http.get("/api/predict/h1"), 405)
-        wrong = await http.post("/api/metadata/h1", content="{}")
-        assert_problem(wrong, 405)
-        assert wrong.headers["allow"] == "GET, HEAD"
+        for view in ("metadata", "stats"):  # GET views at /api/{name}/{model}, not modes
+            wrong = await http.post(f"/api/{view}/h1", content="{}")
+            assert_problem(wrong, 405)
+            assert wrong.headers["allow"] == "GET, HEAD"
+        # No 307 to an absolute http:// URL (wrong behind TLS termination): a 404 that says so.
+        slash = await http.post("/api/predict/h1/", content=make_body(0))
+        p = assert_problem(slash, 404)
+        assert "no trailing slash: /api/predict/h1" in p["detail"]
         for path in ("/ping", "/health/ready", "/health/live"):
             assert (await http.head(path)).status_code == (await http.get(path)).status_code
 
@@ -255,6 +261,98 @@ async def test_a_client_leaving_mid_body_is_no_server_error(tiny_model, caplog):
         assert 'status="499"' in metrics and 'status="500"' not in metrics
 
 
+async def post_stalled(
+    app: Any, path: str, first: bytes, then: anyio.Event, rest: bytes = b""
+) -> list[dict[str, Any]]:
+    """POST to ``path`` as a client that sends ``first`` and stalls until ``then`` (at most
+    10 s: a fail-fast bound), then sends ``rest``; what was sent back."""
+    messages = [{"type": "http.request", "body": first, "more_body": True}]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        if messages:
+            return messages.pop(0)
+        with anyio.move_on_after(10):
+            await then.wait()
+            return {"type": "http.request", "body": rest, "more_body": False}
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await app(post_scope(path, len(first) + len(rest)), receive, send)
+    return sent
+
+
+async def start_upload(
+    tg: anyio.abc.TaskGroup, app: Any, first: bytes, then: anyio.Event, rest: bytes = b""
+) -> list[dict[str, Any]]:
+    """``post_stalled`` to the single-tile route, started in ``tg`` and returned from once
+    the request is in flight: the list its answer will be in."""
+    sent: list[dict[str, Any]] = []
+
+    async def upload() -> None:
+        sent.extend(await post_stalled(app, "/api/predict/h1", first, then, rest))
+
+    tg.start_soon(upload)
+    with anyio.fail_after(5):
+        while not app.state.histoinfer.in_flight:
+            await anyio.sleep(0.01)
+    return sent
+
+
+def sent_problem(sent: list[dict[str, Any]]) -> tuple[int, dict[str, Any]]:
+    """The status and problem body of an answer ``post_stalled`` collected."""
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return sent[0]["status"], json.loads(body)
+
+
+async def test_a_body_that_stalls_is_answered_408(tiny_model):
+    """A slow-loris client held its slot (and shutdown) for ever: no body timeout."""
+    app = create_app(fresh_client(tiny_model), warmup=False, body_timeout=0.3)
+    async with serving(app):
+        for path in ("/api/predict/h1", "/api/predict/h1/batch", "/invocations"):
+            with anyio.fail_after(5):
+                sent = await post_stalled(app, path, b'{"image_data": "', anyio.Event())
+            status, problem = sent_problem(sent)
+            assert status == 408 and problem["type"].endswith("/request-timeout"), sent
+            assert "0.3 s" in problem["detail"]
+        assert not app.state.histoinfer.in_flight
+
+
+async def test_a_request_uploading_when_the_graceful_timeout_runs_out_gets_503_closed(
+    tiny_model,
+):
+    """Until session 21 only requests past their upload were in flight: one still uploading
+    got the ASGI server's bare 500 (uvicorn) or a dropped connection (hypercorn)."""
+    app = create_app(fresh_client(tiny_model), warmup=False)
+    async with serving(app):
+        state: ServerState = app.state.histoinfer
+        async with anyio.create_task_group() as tg:
+            sent = await start_upload(tg, app, b"{", anyio.Event())
+            state.expire_in_flight()
+        status, problem = sent_problem(sent)
+        assert status == 503 and problem["type"].endswith("/closed")
+        assert "graceful timeout ran out" in problem["detail"]
+
+
+async def test_a_request_uploading_when_draining_begins_is_answered(tiny_model):
+    """In flight at SIGTERM (its headers in, its body on the way): it finishes, as the
+    requests past their upload do; one arriving after is refused."""
+    app = create_app(fresh_client(tiny_model), warmup=False)
+    body = make_body(0).encode()
+    async with serving(app) as http:
+        state: ServerState = app.state.histoinfer
+        rest = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            sent = await start_upload(tg, app, body[:10], rest, body[10:])
+            state.begin_drain()
+            late = await http.post("/api/predict/h1", content=body)
+            rest.set()
+        assert sent[0]["status"] == 200, sent
+        assert_problem(late, 503, "closed")
+
+
 class GatedModel(H1ServerModel):
     """Decoding a tile of slide ``gate`` blocks until the test opens the gate."""
 
@@ -275,7 +373,7 @@ def gated(tiny_model: Any) -> GatedModel:
 
 
 @pytest.mark.parametrize("overload", ["reject", "wait"])
-async def test_full_queue_answers_503_at_once(tiny_model, overload):
+async def test_full_queue_answers_503_at_once(tiny_model, overload, caplog):
     """Whatever the client does for its in-process callers (regression: a client built with
     the default overload="wait" made HTTP requests wait for room)."""
     model = gated(tiny_model)
@@ -296,10 +394,14 @@ async def test_full_queue_answers_503_at_once(tiny_model, overload):
                     tg.start_soon(held, 1)
                     while model.entered < 2:  # both admitted and stuck in decoding
                         await anyio.sleep(0.01)
-                    r = await http.post("/api/predict/h1", content=make_body(2))
+                    with caplog.at_level("WARNING", logger="histoinfer.server"):
+                        r = await http.post("/api/predict/h1", content=make_body(2))
                     p = assert_problem(r, 503, "overloaded")
                     assert r.headers["retry-after"] == "7"
                     assert "queue full" in p["detail"]
+                    # Shedding load is logged (throttled), or an operator without an access
+                    # log sees nothing of it.
+                    assert "answered 503: " in caplog.text and "queue full" in caplog.text
                     model.gate.set()
         finally:
             model.gate.set()
@@ -688,6 +790,46 @@ async def test_metrics_read_the_client_stats(tiny_model):
     assert ("h1", "predict", "0.5") in after["histoinfer_forward_seconds"]
     assert ("h1", "predict", "0.99") in after["histoinfer_queue_wait_seconds"]
     assert key in after["histoinfer_errors_total"]
+    # There before any deadline was missed, at 0: an expression over it reads 0, not no data.
+    assert before["histoinfer_errors_by_kind_total"][("h1", "predict", "deadline")] == 0.0
+
+
+async def test_a_failing_device_counts_no_batches_and_is_logged_once_with_its_traceback(
+    tiny_model, caplog
+):
+    """An operator saw nothing in the log (the client got the message), and failed passes
+    counted as batches: the documented alert (errors up, batches flat) could not fire."""
+
+    def broken(batch: Any) -> None:
+        raise RuntimeError("CUDA error: device lost")
+
+    model, _ = hooked_model(tiny_model, broken)
+    app = create_app(fresh_client(model), warmup=False)
+    async with serving(app) as http:
+        before = await scrape(http)
+        with caplog.at_level("WARNING", logger="histoinfer"):
+            for i in range(3):
+                r = await http.post("/api/predict/h1", content=make_body(i))
+                assert_problem(r, 500, "model-execution")
+        after = await scrape(http)
+    key = ("h1", "predict")
+    for name, grew in (("batches", 0), ("samples", 0), ("errors", 3)):
+        total = f"histoinfer_{name}_total"
+        assert after[total][key] - before[total][key] == grew, name
+    [logged] = [r for r in caplog.records if r.name == "histoinfer.server"]  # throttled
+    assert logged.levelname == "ERROR" and "POST /api/predict/h1 answered 500" in logged.message
+    assert logged.exc_info is not None and "device lost" in caplog.text  # the traceback
+
+
+def test_the_log_throttle_says_how_many_it_left_out() -> None:
+    now = [0.0]
+    throttle = LogThrottle(every=60.0, clock=lambda: now[0])
+    assert throttle.due("overloaded") == 0  # the first: logged
+    assert throttle.due("overloaded") is None and throttle.due("overloaded") is None
+    assert throttle.due("ModelExecutionError") == 0  # each kind on its own
+    now[0] = 60.0
+    assert throttle.due("overloaded") == 2  # logged, saying two were left out
+    assert throttle.due("overloaded") is None
 
 
 async def scrape(http: httpx.AsyncClient) -> dict[str, dict[tuple[str, ...], float]]:

@@ -127,6 +127,7 @@ def error_for_problem_type(problem_type: str | None, status: int) -> type[Infere
     by_status: dict[int, type[InferenceError]] = {
         400: UnsupportedModeError,
         404: InvalidRequestError,
+        408: InvalidRequestError,  # the body stalled (the server's --body-timeout)
         413: InvalidRequestError,
         422: InvalidRequestError,
         429: OverloadedError,  # a gateway's or rate limiter's Too Many Requests: back off

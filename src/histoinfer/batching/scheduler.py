@@ -593,15 +593,17 @@ class BatchScheduler(Generic[T, R]):
         waits = [now - p.enqueued_at for p in live]
         ran_before = self._ran_s
         await self._execute(live)
+        # The items the model answered: not one refused, failed (a failing device must not
+        # look busy on the batches counter) or left before it started (not run).
         counted = [
             wait
             for p, wait in zip(live, waits, strict=True)
-            if not p.refused and p.state != _ABANDONED  # left before it started: not run
+            if not p.refused and p.state != _ABANDONED and p.error is None
         ]
         if counted:
             self._count(self.stats.record_batch, len(counted), counted, self._ran_s - ran_before)
 
-    async def _execute(self, pendings: list[_Pending[T, R]]) -> None:
+    async def _execute(self, pendings: list[_Pending[T, R]], *, bisected: bool = False) -> None:
         for p in pendings:  # a bisected half, dispatched again
             if p.state == _RUNNING:
                 p.state = _DISPATCHED
@@ -634,10 +636,11 @@ class BatchScheduler(Generic[T, R]):
                 pendings[0].resolve(error=exc)
                 return
             # Split to isolate the failing items (LitServe #340): only they get the error.
-            log.warning("%s: batch of %d failed (%r); bisecting", self.name, len(pendings), exc)
+            if not bisected:  # once a batch: every split's line would flood the log
+                log.warning("%s: batch of %d failed (%r); bisecting", self.name, len(pendings), exc)
             middle = len(pendings) // 2
-            await self._execute(pendings[:middle])
-            await self._execute(pendings[middle:])
+            await self._execute(pendings[:middle], bisected=True)
+            await self._execute(pendings[middle:], bisected=True)
             return
         if handoff is not None:  # a no-op: the thread's wake-up ran long before this batch ended
             handoff.fire()

@@ -862,10 +862,14 @@ class InProcessClient(ClosingContext):
                 chunk = prepared[start : start + self.max_batch_size]
                 outputs = self._forward_chunk(chunk, mode, start)
                 self._check_finite(chunk, outputs, mode, start)
-                responses.extend(
-                    self._finish(request, output, mode)
-                    for (request, _), output in zip(chunk, outputs, strict=True)
-                )
+                try:
+                    responses.extend(
+                        self._finish(request, output, mode)
+                        for (request, _), output in zip(chunk, outputs, strict=True)
+                    )
+                except ModelExecutionError as exc:  # postprocess: counted as a single call's
+                    self._stats[mode].record_error(type(exc).__name__)
+                    raise
             return responses
 
     def _decode_batch(
@@ -927,7 +931,7 @@ class InProcessClient(ClosingContext):
             raise non_finite_error(self.server_model.metadata().name, "; ".join(bad))
 
     def _forward_bisecting(
-        self, chunk: list[Prepared], mode: Mode, offset: int
+        self, chunk: list[Prepared], mode: Mode, offset: int, *, bisected: bool = False
     ) -> tuple[list[SampleOutput], list[str]]:
         """The chunk's outputs, and the tiles that fail alone (by batch position).
 
@@ -944,11 +948,16 @@ class InProcessClient(ClosingContext):
             if len(chunk) == 1:
                 stats.record_error(type(exc).__name__)
                 return [], [f"batch position {offset} ({chunk[0][0].where()}): {exc!r}"]
-            name = f"{self._model_name}:{mode}"
-            log.warning("%s: batch of %d failed (%r); bisecting", name, len(chunk), exc)
+            if not bisected:  # once a chunk, as the scheduler logs it
+                name = f"{self._model_name}:{mode}"
+                log.warning("%s: batch of %d failed (%r); bisecting", name, len(chunk), exc)
             middle = len(chunk) // 2
-            first, failed_first = self._forward_bisecting(chunk[:middle], mode, offset)
-            second, failed_second = self._forward_bisecting(chunk[middle:], mode, offset + middle)
+            first, failed_first = self._forward_bisecting(
+                chunk[:middle], mode, offset, bisected=True
+            )
+            second, failed_second = self._forward_bisecting(
+                chunk[middle:], mode, offset + middle, bisected=True
+            )
             return first + second, failed_first + failed_second
         stats.record_batch(len(chunk), [0.0] * len(chunk), ran_s)
         return outputs, []

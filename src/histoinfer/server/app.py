@@ -16,8 +16,8 @@ import asyncio
 import base64
 import io
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
 from functools import partial
 from typing import Any, Literal, TypeVar, get_args
 
@@ -63,6 +63,7 @@ from .problems import (
     ModelNotReadyError,
     PayloadTooLargeError,
     Problem,
+    RequestTimeoutError,
     UnknownModelError,
     install_problem_handlers,
 )
@@ -107,6 +108,20 @@ _DRAIN_SECONDS = 5.0
 
 Status = Literal["loading", "ready", "failed", "closed"]
 
+#: Route names that are GET-only views at ``/api/{name}/{model}``, not modes: a POST there is 405
+_READ_ONLY = ("metadata", "stats")
+
+
+class Arrival:
+    """A request from the moment the app has its headers: the cancel scope that a hang-up and
+    the graceful timeout cancel, and whether the server was already draining then."""
+
+    __slots__ = ("scope", "while_draining")
+
+    def __init__(self, scope: anyio.CancelScope, while_draining: bool) -> None:
+        self.scope = scope
+        self.while_draining = while_draining
+
 
 class ServedModel:
     """One model behind the routes: its client once loaded, and where it is in its life."""
@@ -133,11 +148,13 @@ class ServerState:
         retry_after: int,
         warmup: bool,
         cancel_on_disconnect: bool = True,
+        body_timeout: float | None = None,
     ) -> None:
         if not models:
             raise ValueError("create_app needs at least one model")
         self.models = {name: ServedModel(name, source) for name, source in models.items()}
         self.max_body_bytes = max_body_bytes
+        self.body_timeout = body_timeout
         self.retry_after = retry_after
         self.warmup = warmup
         self.cancel_on_disconnect = cancel_on_disconnect
@@ -163,13 +180,15 @@ class ServerState:
 
     # -- what the routes ask -------------------------------------------------------------
 
-    def client(self, name: str) -> InProcessClient:
+    def client(self, name: str, arrival: Arrival | None = None) -> InProcessClient:
+        """The model's client; refused while draining, unless ``arrival`` came before it (a
+        request still uploading its body at SIGTERM is in flight, and finishes)."""
         served = self.models.get(name)
         if served is None:
             raise UnknownModelError(
                 f"unknown model {name!r}; served here: {', '.join(sorted(self.models))}"
             )
-        if self.draining:
+        if self.draining and (arrival is None or arrival.while_draining):
             raise ClientClosedError("the server is shutting down; retry on another instance")
         if served.status != "ready" or served.client is None:
             why = f": {served.error}" if served.error else "; retry shortly"
@@ -196,6 +215,41 @@ class ServerState:
     def begin_drain(self) -> None:
         """Refuse new requests (503 ``closed``) and fail readiness; in-flight ones go on."""
         self.stopping = self.draining = True
+
+    @contextmanager
+    def arrived(self) -> Iterator[Arrival]:
+        """A request in flight, from its headers on: its body's upload included.
+
+        Its scope is cancelled by two things, and the route then answers
+        :meth:`unanswered`:
+
+        - the client hanging up (unless the app was told not to watch:
+          ``cancel_on_disconnect``), watched once the body is read: answered 499, to nobody. A
+          request that is still queued then leaves its queue before dispatch (SPEC §5), one in
+          a forward pass leaves its batch undisturbed. Uvicorn and Hypercorn do not cancel a
+          handler whose client left, so without this every abandoned request was decoded and
+          computed, and live callers waited behind them (1,000 dropped connections made the
+          next request take 4.9 s, not 0.3);
+        - the graceful timeout running out (:meth:`expire_in_flight`): answered 503 ``closed``
+          with ``Retry-After``, which ``HttpClient`` retries, instead of the server's bare 500
+          or dropped connection when it cancels the handler itself; a request still uploading
+          its body included (until session 21 only those past their upload were).
+        """
+        with anyio.CancelScope() as scope:
+            self.in_flight.add(scope)
+            try:
+                yield Arrival(scope, self.draining)
+            finally:
+                self.in_flight.discard(scope)
+
+    def unanswered(self) -> Response:
+        """The answer of a request whose scope was cancelled (:meth:`arrived`)."""
+        if self.out_of_time:
+            raise ClientClosedError(
+                "the server is shutting down and its graceful timeout ran out before this "
+                "request was answered; retry on another instance"
+            )
+        return Response(status_code=CLIENT_CLOSED)
 
     def expire_in_flight(self) -> None:
         """Cancel the requests still in flight, each answered 503 ``closed`` with
@@ -294,8 +348,24 @@ def warm_up(client: InProcessClient) -> None:
 # -- request helpers ---------------------------------------------------------------------
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The raw body, refused with 413 over ``limit`` bytes (declared or actually streamed)."""
+async def read_body(request: Request, limit: int, timeout: float | None = None) -> bytes:
+    """The raw body, refused with 413 over ``limit`` bytes (declared or actually streamed),
+    and with 408 when ``timeout`` seconds pass with none of it arriving."""
+    if timeout is None:
+        return await _read_body(request, limit)
+    with anyio.move_on_after(timeout) as idle:
+        return await _read_body(request, limit, idle, timeout)
+    raise RequestTimeoutError(
+        f"no part of the request body arrived for {timeout:g} s (the server's body timeout)"
+    )
+
+
+async def _read_body(
+    request: Request,
+    limit: int,
+    idle: anyio.CancelScope | None = None,
+    timeout: float = 0.0,
+) -> bytes:
     declared = request.headers.get("content-length", "")
     stream = request.stream()
     if declared.isdigit() and int(declared) > limit:
@@ -314,6 +384,8 @@ async def read_body(request: Request, limit: int) -> bytes:
             await _discard(stream, size)
             raise PayloadTooLargeError(f"request body is over the limit of {limit} bytes")
         chunks.append(chunk)
+        if idle is not None:  # the timeout runs between chunks: a slow link is not a stall
+            idle.deadline = anyio.current_time() + timeout
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
     if encoding != "identity":  # a gzip body would otherwise be "not valid JSON"
         raise StarletteHTTPException(
@@ -345,33 +417,13 @@ async def _in_flight(
     work: Callable[[], Awaitable[_Answer]],
     respond: Callable[[_Answer], Response],
     state: ServerState,
+    arrival: Arrival,
 ) -> Response:
-    """``respond(work())``, in a cancel scope that two things cancel:
-
-    - the client hanging up (unless the app was told not to watch: ``cancel_on_disconnect``):
-      answered 499, to nobody. A request that is still queued then leaves its queue before
-      dispatch (SPEC §5), one in a forward pass leaves its batch undisturbed. Uvicorn and
-      Hypercorn do not cancel a handler whose client left, so without this every abandoned
-      request was decoded and computed, and live callers waited behind them (1,000 dropped
-      connections made the next request take 4.9 s, not 0.3);
-    - the graceful timeout running out (:meth:`ServerState.expire_in_flight`): answered 503
-      ``closed`` with ``Retry-After``, which ``HttpClient`` retries, instead of the server's bare
-      500 or dropped connection when it cancels the handler itself.
-    """
-    with anyio.CancelScope() as scope:
-        state.in_flight.add(scope)
-        try:
-            if not state.cancel_on_disconnect:
-                return respond(await work())
-            return await _watched(request, work, respond, scope)
-        finally:
-            state.in_flight.discard(scope)
-    if state.out_of_time:
-        raise ClientClosedError(
-            "the server is shutting down and its graceful timeout ran out before this request "
-            "was answered; retry on another instance"
-        )
-    return Response(status_code=CLIENT_CLOSED)
+    """``respond(work())``, once the body is read, watched for a hang-up unless the app was
+    told not to (``cancel_on_disconnect``); :meth:`ServerState.arrived` says why."""
+    if not state.cancel_on_disconnect:
+        return respond(await work())
+    return await _watched(request, work, respond, arrival.scope)
 
 
 async def _watched(
@@ -555,6 +607,7 @@ def create_app(
     retry_after: int = 1,
     warmup: bool = True,
     cancel_on_disconnect: bool = True,
+    body_timeout: float | None = 60.0,
 ) -> FastAPI:
     """Build the microservice over one or more in-process clients.
 
@@ -571,6 +624,9 @@ def create_app(
             computed; a ``/batch`` stops before its next pass). It costs the event loop a task
             a request (docs/server.md); a server whose clients never leave early may turn it
             off.
+        body_timeout: seconds a request's body may go without sending any of it before it
+            is answered 408 (nginx's ``client_body_timeout``, 60 s); None: no limit. The time
+            to send the headers is the ASGI server's to bound (docs/server.md).
 
     The app must run its lifespan (every ASGI server does; in tests use
     ``async with app.router.lifespan_context(app)``). Its :class:`ServerState` is
@@ -584,6 +640,7 @@ def create_app(
         retry_after=retry_after,
         warmup=warmup,
         cancel_on_disconnect=cancel_on_disconnect,
+        body_timeout=body_timeout,
     )
 
     @asynccontextmanager
@@ -603,6 +660,9 @@ def create_app(
         version=__version__,
         summary="Computational-pathology tile models (gene expression, embeddings) over HTTP.",
         lifespan=lifespan,
+        # A trailing slash is a 404 naming the route without it: Starlette's 307 points at an
+        # absolute http:// URL, wrong behind a TLS-terminating load balancer.
+        redirect_slashes=False,
     )
     app.state.histoinfer = state
     install_problem_handlers(app, retry_after)
@@ -639,26 +699,31 @@ def create_app(
         return JSONResponse({mode: snapshot.as_dict() for mode, snapshot in snapshots.items()})
 
     async def answer(
-        request: Request, client: InProcessClient, body: str | bytes, mode: Mode
+        request: Request, client: InProcessClient, body: str | bytes, mode: Mode, arrival: Arrival
     ) -> Response:
         """One tile's answer: refused at once by a full queue (SPEC §4), and cancelled if its
         client hangs up (unless the app was told not to)."""
         work = partial(client.infer_async, body, mode, overload="reject")
-        return await _in_flight(request, work, _said_untrained(client, _json), state)
+        return await _in_flight(request, work, _said_untrained(client, _json), state, arrival)
+
+    async def body_of(request: Request) -> bytes:
+        return await read_body(request, state.max_body_bytes, state.body_timeout)
 
     async def infer(request: Request) -> Response:
         """One tile through ``mode`` (predict, embed or predict_with_embedding).
 
         Concurrent requests are batched dynamically; a full queue answers 503 at once.
         """
-        # The body is read first even when the answer is an error: a client still writing it
-        # would otherwise see the connection reset instead of the answer.
-        body = await read_body(request, state.max_body_bytes)
-        mode, model = request.path_params["mode"], request.path_params["model"]
-        if mode == "metadata":  # the metadata route, with the wrong method: not a mode
-            raise StarletteHTTPException(405, headers={"Allow": "GET"})
-        checked, client = _mode(mode), state.client(model)
-        return await answer(request, client, body, checked)
+        with state.arrived() as arrival:
+            # The body is read first even when the answer is an error: a client still writing
+            # it would otherwise see the connection reset instead of the answer.
+            body = await body_of(request)
+            mode, model = request.path_params["mode"], request.path_params["model"]
+            if mode in _READ_ONLY:  # a GET route, with the wrong method: not a mode
+                raise StarletteHTTPException(405, headers={"Allow": "GET, HEAD"})
+            checked, client = _mode(mode), state.client(model, arrival)
+            return await answer(request, client, body, checked, arrival)
+        return state.unanswered()
 
     # The single-tile route, every request's, is served by a plain Starlette route: FastAPI's
     # own handling of a route (its dependency solving and request/response wrappers) cost
@@ -703,19 +768,20 @@ def create_app(
 
         Answers a JSON list, or one response per line if the request accepts NDJSON.
         """
-        raw = await read_body(request, state.max_body_bytes)
-        checked, client = _mode(mode), state.client(model)
-        verbatim = request.headers.get("content-type", "").startswith(BATCH_BODIES_JSON)
-        bodies = _batch_bodies(raw, verbatim)
-        # Cancelled (a hang-up, the graceful timeout), the batch stops at its next slice or
-        # pass: the worker thread checks its host task's cancellation between them.
-        run = partial(
-            client.infer_batch, bodies, checked, check_cancelled=anyio.from_thread.check_cancelled
-        )
-        work = partial(anyio.to_thread.run_sync, run)
-        ndjson = _prefers_ndjson(request.headers.get("accept", ""))
-        respond = _said_untrained(client, _ndjson if ndjson else _json_list)
-        return await _in_flight(request, work, respond, state)
+        with state.arrived() as arrival:
+            raw = await body_of(request)
+            checked, client = _mode(mode), state.client(model, arrival)
+            verbatim = request.headers.get("content-type", "").startswith(BATCH_BODIES_JSON)
+            bodies = _batch_bodies(raw, verbatim)
+            # Cancelled (a hang-up, the graceful timeout), the batch stops at its next slice
+            # or pass: the worker thread checks its host task's cancellation between them.
+            check = anyio.from_thread.check_cancelled
+            run = partial(client.infer_batch, bodies, checked, check_cancelled=check)
+            work = partial(anyio.to_thread.run_sync, run)
+            ndjson = _prefers_ndjson(request.headers.get("accept", ""))
+            respond = _said_untrained(client, _ndjson if ndjson else _json_list)
+            return await _in_flight(request, work, respond, state, arrival)
+        return state.unanswered()
 
     @app.post(
         "/invocations",
@@ -727,19 +793,21 @@ def create_app(
     async def invocations(request: Request) -> Response:
         """SageMaker-style dispatch on ``model_name`` and ``mode`` (``prediction``,
         ``embedding``, ``prediction_with_embedding`` or ``metadata``)."""
-        raw = await read_body(request, state.max_body_bytes)
-        envelope: InvocationEnvelope = parse_model(InvocationEnvelope, raw, "invocation")
-        if envelope.mode != "metadata" and envelope.mode not in INVOCATION_MODES:
-            known = ", ".join(get_args(InvocationMode))
-            raise UnsupportedModeError(
-                f"unknown invocation mode {envelope.mode!r} (modes: {known})"
-            )
-        client = state.client(envelope.model_name)
-        if envelope.mode == "metadata":
-            return _json(client.metadata())
-        invocation: InvocationRequest = parse_model(InvocationRequest, raw, "invocation")
-        body = invocation.to_model_request().model_dump_json()
-        return await answer(request, client, body, INVOCATION_MODES[envelope.mode])
+        with state.arrived() as arrival:
+            raw = await body_of(request)
+            envelope: InvocationEnvelope = parse_model(InvocationEnvelope, raw, "invocation")
+            if envelope.mode != "metadata" and envelope.mode not in INVOCATION_MODES:
+                known = ", ".join(get_args(InvocationMode))
+                raise UnsupportedModeError(
+                    f"unknown invocation mode {envelope.mode!r} (modes: {known})"
+                )
+            client = state.client(envelope.model_name, arrival)
+            if envelope.mode == "metadata":
+                return _json(client.metadata())
+            invocation: InvocationRequest = parse_model(InvocationRequest, raw, "invocation")
+            body = invocation.to_model_request().model_dump_json()
+            return await answer(request, client, body, INVOCATION_MODES[envelope.mode], arrival)
+        return state.unanswered()
 
     def readiness() -> JSONResponse:
         draining = state.stopping or state.draining

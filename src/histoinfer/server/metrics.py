@@ -286,7 +286,9 @@ class StatsCollector(Collector):
                     forward.add_metric([*key, quantile], snap.forward_ms[field] / 1000.0)
                 busy.add_metric(key, snap.forward_busy_s)
                 errors.add_metric(key, snap.errors)
-                for kind, count in snap.error_kinds.items():
+                # "deadline" from the start, at 0: an expression over it (a hung device's
+                # alert, docs/server.md) reads no data, not 0, while a series is absent.
+                for kind, count in {"deadline": 0, **snap.error_kinds}.items():
                     error_kinds.add_metric([*key, kind], count)
                 cancelled.add_metric(key, snap.cancelled)
         yield from (ready, batches, samples, batch_size, depth, queue_wait, forward, busy)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
+import time
+from collections.abc import Callable
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
@@ -27,6 +29,7 @@ __all__ = [
     "ModelNotReadyError",
     "PayloadTooLargeError",
     "Problem",
+    "RequestTimeoutError",
     "UnknownModelError",
     "install_problem_handlers",
     "problem_response",
@@ -60,6 +63,15 @@ class PayloadTooLargeError(InvalidRequestError):
     problem_slug = "payload-too-large"
     title = "Payload too large"
     http_status = 413
+
+
+class RequestTimeoutError(InvalidRequestError):
+    """The client sent nothing of its body for the server's body timeout (408): a stalled
+    or deliberately slow client (slowloris) would otherwise hold its slot for ever."""
+
+    problem_slug = "request-timeout"
+    title = "Request timeout"
+    http_status = 408
 
 
 class ModelNotReadyError(OverloadedError):
@@ -99,6 +111,58 @@ def error_response(exc: InferenceError, retry_after: int) -> Response:
 CLIENT_CLOSED_REQUEST = 499
 
 
+class LogThrottle:
+    """At most one log line a key every ``every`` seconds, which says how many it left out:
+    a failing device or a shedding server answers thousands of requests a minute alike, and
+    an operator needs to see that it happens (and one traceback), not each of them."""
+
+    def __init__(self, every: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every = every
+        self._clock = clock
+        self._next: dict[str, float] = {}
+        self._left_out: dict[str, int] = {}
+
+    def due(self, key: str) -> int | None:
+        """None to leave this one out; else how many of ``key`` were left out since the last."""
+        now = self._clock()
+        if now < self._next.get(key, now):
+            self._left_out[key] = self._left_out.get(key, 0) + 1
+            return None
+        self._next[key] = now + self.every
+        return self._left_out.pop(key, 0)
+
+
+def _since(left_out: int, every: float) -> str:
+    return f" ({left_out} more like it in the last {every:g} s)" if left_out else ""
+
+
+def log_answer(request: Request, exc: InferenceError, throttle: LogThrottle) -> None:
+    """Log what the operator must hear of an error answer, throttled by kind: a 500 (the model
+    failed: with its traceback, which the client never sees) and a 503 that sheds load or
+    misses a deadline (queue full, a device that hangs). A 4xx is the client's business and
+    is not logged; neither are the 503s of a server starting or shutting down."""
+    status = exc.http_status
+    if status >= 500 and status != 503:
+        key, level, trace = type(exc).__name__, logging.ERROR, True
+    elif status == 503 and exc.problem_slug in ("overloaded", "deadline-exceeded"):
+        key, level, trace = exc.problem_slug, logging.WARNING, False
+    else:
+        return
+    left_out = throttle.due(key)
+    if left_out is None:
+        return
+    log.log(
+        level,
+        "%s %s answered %d: %s%s",
+        request.method,
+        request.url.path,
+        status,
+        exc,
+        _since(left_out, throttle.every),
+        exc_info=exc if trace else None,
+    )
+
+
 def _allowed_methods(request: Request) -> set[str]:
     """Every method some route takes at this path but not with this method. Starlette's 405
     names those of the first such route only (GET and HEAD on one path are two routes here)."""
@@ -113,8 +177,11 @@ def _allowed_methods(request: Request) -> set[str]:
 def install_problem_handlers(app: FastAPI, retry_after: int) -> None:
     """Render every error as problem+json: ours, Starlette's (404, 405) and unexpected ones."""
 
+    throttle = LogThrottle()
+
     async def inference_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, InferenceError)
+        log_answer(request, exc, throttle)
         return error_response(exc, retry_after)
 
     async def http_error(request: Request, exc: Exception) -> Response:
@@ -122,7 +189,10 @@ def install_problem_handlers(app: FastAPI, retry_after: int) -> None:
         phrase = HTTPStatus(exc.status_code).phrase
         detail = exc.detail if isinstance(exc.detail, str) else phrase
         if exc.status_code == 404 and detail == phrase:
-            detail = f"no route for {request.method} {request.url.path}"
+            path = request.url.path
+            detail = f"no route for {request.method} {path}"
+            if len(path) > 1 and path.endswith("/"):
+                detail += f" (routes take no trailing slash: {path.rstrip('/')})"
         response = problem_response(exc.status_code, phrase, detail)
         response.headers.update(exc.headers or {})
         if exc.status_code == 405:
