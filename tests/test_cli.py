@@ -233,7 +233,8 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
         ("--max-queue", "0", "at least 1"),
         ("--max-batch-size", "2.5", "not an int"),
         ("--max-wait-ms", "nan", "finite"),
-        ("--max-body-mb", "-1", "more than 0"),
+        ("--max-body-mb", "-1", "at least 0.001 (1 KiB)"),
+        ("--max-body-mb", "0.0000001", "at least 0.001 (1 KiB)"),  # was 0 bytes: 413 for all
         ("--request-timeout", "0", "more than 0"),
         ("--graceful-timeout", "-5", "0 or more"),
     ],
@@ -263,6 +264,65 @@ def test_serve_on_a_port_in_use_is_one_line(
             assert main([*args, "--port", str(port), "--server", server, "--no-warmup"]) == 1
             err = capsys.readouterr().err
             assert f"cannot listen on 127.0.0.1:{port}" in err and "Traceback" not in err
+
+
+def test_serve_refuses_missing_assets_before_binding(
+    tiny_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Refused only after the port was open and the model loading: seconds later, exit 1."""
+    import socket
+
+    from histoinfer.models import register_model, registry
+    from histoinfer.models.h1 import H1ServerModel
+
+    checkpoint = tmp_path / "model.pt2"  # no model.json beside it
+    checkpoint.write_bytes(b"")
+    with socket.socket() as taken:  # had the address been tried first, "cannot listen on"
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        serve = ["serve", "--checkpoint", str(checkpoint), "--port", port]
+        beside = f"model assets {tmp_path / 'model.json'} for model 'h1' not found"
+        code, _, err = run([*serve, "--model", "h1"], capsys)
+        assert_one_line_error(code, err, beside, "give --assets DIR")
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        code, _, err = run([*serve, "--model", "h1", "--assets", str(elsewhere)], capsys)
+        assert_one_line_error(code, err, f"model assets {elsewhere / 'model.json'}")
+        # Found (--assets), or a class that loads its own: what comes next is the address.
+        code, _, err = run([*serve, "--model", "h1", "--assets", str(tiny_dir)], capsys)
+        assert_one_line_error(code, err, f"cannot listen on 127.0.0.1:{port}")
+
+        class OwnLoader(H1ServerModel):
+            @classmethod
+            def from_files(cls, *args: object, **kwargs: object) -> OwnLoader:
+                raise NotImplementedError
+
+        monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+        register_model("own-loader")(OwnLoader)
+        code, _, err = run([*serve, "--model", "own-loader"], capsys)
+        assert_one_line_error(code, err, f"cannot listen on 127.0.0.1:{port}")
+
+
+def test_serve_gives_uvicorn_its_timeouts_as_they_are(
+    tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """They were rounded up to whole seconds, at least 1: 0.25 s kept connections alive 1 s."""
+    import uvicorn
+
+    configs: list[uvicorn.Config] = []
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, *_: configs.append(self.config))
+    args = ["serve", "--model", "h1", "--checkpoint", str(tiny_checkpoint), "--port", "0"]
+    assert main([*args, "--keep-alive-timeout", "0.25", "--graceful-timeout", "2.5"]) == 0
+    assert configs[0].timeout_keep_alive == 0.25
+    assert configs[0].timeout_graceful_shutdown == 2.5
+    # The body timeout is the app's: 60 s by default, 0 for none.
+    assert configs[0].app.state.histoinfer.body_timeout == 60.0
+    assert main([*args, "--body-timeout", "0"]) == 0
+    assert configs[1].app.state.histoinfer.body_timeout is None
 
 
 @pytest.mark.parametrize("spec", ["a/b=h1", "=h1"])

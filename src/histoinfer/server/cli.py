@@ -1,10 +1,11 @@
 """``histoinfer serve``: load models and run the microservice under uvicorn or hypercorn.
 
 Both servers get the same shutdown. On SIGTERM or SIGINT readiness fails at once; after
-``--drain-delay`` seconds (0 by default) of serving as before, the app drains (new requests
-503), the server stops accepting connections and in-flight requests finish, up to
-``--graceful-timeout``: just before it runs out the app answers those still in flight 503
-``closed`` itself (the servers would cut them off). Then the clients are closed.
+``--drain-delay`` seconds (0 by default; a second signal ends them, and does nothing more) of
+serving as before, the app drains (new requests 503), the server stops accepting connections
+and in-flight requests finish, up to ``--graceful-timeout``: just before it runs out the app
+answers those still in flight 503 ``closed`` itself (the servers would cut them off). Then the
+clients are closed.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import socket
 import sys
 from collections.abc import Callable
 from functools import partial
+from inspect import getattr_static
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -27,6 +29,8 @@ import anyio
 
 from ..cli import CommandError, add_import_option, import_modules, unknown_model
 from ..clients.inprocess import InProcessClient
+from ..models import ServerModel
+from ..models.assets import ASSETS_FILE
 from ..models.registry import UnknownModelError, model_class
 from .app import ClientSource, ServerState, create_app
 
@@ -89,15 +93,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--max-body-mb",
-        type=_above_zero,
+        type=_body_mb,
         default=64.0,
-        help="the largest request body, in MiB; larger bodies get 413 (default: 64)",
+        help="the largest request body, in MiB (at least 0.001: 1 KiB); larger bodies get 413 "
+        "(default: 64)",
     )
     add(
         "--request-timeout",
         type=_above_zero,
         default=None,
         help="seconds a request may wait for its forward pass before 503 (default: no limit)",
+    )
+    add(
+        "--body-timeout",
+        type=_at_least_zero,
+        default=60.0,
+        help="seconds a request's body may go with none of it arriving before 408; 0: no limit "
+        "(default: 60)",
     )
     add(
         "--retry-after",
@@ -177,6 +189,8 @@ _zero_or_more = _option(int, lambda v: v >= 0, "must be 0 or more")
 _port = _option(int, lambda v: 0 <= v <= 65535, "a port is 0-65535")
 _at_least_zero = _option(float, lambda v: v >= 0, "must be 0 or more")
 _above_zero = _option(float, lambda v: v > 0, "must be more than 0")
+# Under 1 KiB no request fits (0.0000001 MiB was a 0-byte limit: 413 for every request).
+_body_mb = _option(float, lambda v: v * 1024 >= 1, "must be at least 0.001 (1 KiB)")
 
 
 def model_sources(args: argparse.Namespace) -> dict[str, ClientSource]:
@@ -201,9 +215,18 @@ def model_sources(args: argparse.Namespace) -> dict[str, ClientSource]:
         if not checkpoint.is_file():
             raise CommandError(f"checkpoint {checkpoint} for model {name!r} is not a file")
         try:
-            model_class(key)  # an unknown key is refused before the port is bound
+            cls = model_class(key)  # an unknown key is refused before the port is bound
         except UnknownModelError as exc:
             raise unknown_model(f"--model {spec}", exc) from exc
+        # So is a missing model.json, where ServerModel.from_files would look for it (a class
+        # with a loader of its own may not need one): else it failed seconds after binding.
+        found = (assets_dir if assets_dir is not None else checkpoint.parent).expanduser()
+        own_loader = getattr_static(cls, "from_files") is getattr_static(ServerModel, "from_files")
+        if own_loader and not (found / ASSETS_FILE).is_file():
+            raise CommandError(
+                f"model assets {found / ASSETS_FILE} for model {name!r} not found (give --assets "
+                "DIR per --model if they are elsewhere)"
+            )
         sources[name] = partial(
             InProcessClient.from_checkpoint,
             key,
@@ -233,6 +256,7 @@ def run(args: argparse.Namespace) -> int:
         retry_after=args.retry_after,
         warmup=not args.no_warmup,
         cancel_on_disconnect=not args.no_cancel_on_disconnect,
+        body_timeout=args.body_timeout or None,
     )
     state: ServerState = app.state.histoinfer
     state.on_loaded = freeze_startup_heap
@@ -278,9 +302,14 @@ def _run_uvicorn(app: Any, state: ServerState, args: argparse.Namespace) -> None
             # On the event loop (uvicorn's signal handler). Readiness fails at once; requests
             # are still served for --drain-delay, then new ones get 503 "closed" while those in
             # flight finish, and just before the graceful timeout the app answers the rest.
-            if state.stopping and self.draining is not None:  # a second signal: drain now
-                self.draining.cancel()
-            elif args.drain_delay > 0 and not state.stopping:
+            if state.stopping:  # a second signal ends the delay, and goes no further: to
+                # uvicorn a second SIGINT is a force quit, which cuts off the requests in flight
+                # (a bare 500 or a dropped connection) instead of letting them finish
+                if self.draining is not None:
+                    self.draining.cancel()
+                    self.drain(sig, frame)
+                return
+            if args.drain_delay > 0:
                 state.begin_stopping()
                 loop = asyncio.get_running_loop()
                 self.draining = loop.call_later(args.drain_delay, self.drain, sig, frame)
@@ -301,8 +330,10 @@ def _run_uvicorn(app: Any, state: ServerState, args: argparse.Namespace) -> None
         lifespan="on",
         log_level=args.log_level,
         access_log=args.access_log,
-        timeout_graceful_shutdown=max(1, math.ceil(args.graceful_timeout)),
-        timeout_keep_alive=max(1, math.ceil(args.keep_alive_timeout)),
+        # Annotated int, but uvicorn only waits them out (call_later, wait_for), which take any
+        # number of seconds: as given, not rounded up to whole seconds as they were.
+        timeout_graceful_shutdown=args.graceful_timeout,  # type: ignore[arg-type]
+        timeout_keep_alive=args.keep_alive_timeout,  # type: ignore[arg-type]
     )
     server = Server(config)
 
@@ -380,9 +411,16 @@ def _run_hypercorn(app: Any, state: ServerState, args: argparse.Namespace) -> No
         else:
             from hypercorn.asyncio import serve  # type: ignore[assignment]
 
+        async def serving(tg: anyio.abc.TaskGroup) -> None:
+            await serve(app, config, shutdown_trigger=stop.wait)
+            tg.cancel_scope.cancel()  # the signal watcher and the drain's timer
+
+        # serve runs in a child task, not the host: hypercorn's asyncio serve leaves its task a
+        # cancellation request (Python 3.11's asyncio.TaskGroup does not withdraw it), so in the
+        # host anyio took the task group's cancel for one from outside and re-raised it: exit
+        # status 1 and a CancelledError traceback on every SIGTERM. A child task just ends.
         async with anyio.create_task_group() as tg:
             tg.start_soon(on_signals, tg)
-            await serve(app, config, shutdown_trigger=stop.wait)
-            tg.cancel_scope.cancel()
+            tg.start_soon(serving, tg)
 
     anyio.run(main, backend=args.backend)
