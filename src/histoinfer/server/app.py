@@ -16,8 +16,9 @@ import asyncio
 import base64
 import io
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
-from contextlib import asynccontextmanager, contextmanager
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any, Literal, TypeVar, get_args
 
@@ -113,14 +114,47 @@ _READ_ONLY = ("metadata", "stats")
 
 
 class Arrival:
-    """A request from the moment the app has its headers: the cancel scope that a hang-up and
-    the graceful timeout cancel, and whether the server was already draining then."""
+    """A request in flight, from the moment the app has its headers (its body's upload
+    included), as a context manager around its route's work.
 
-    __slots__ = ("scope", "while_draining")
+    Its cancel scope is cancelled by three things, and the route then answers
+    :meth:`ServerState.unanswered`:
 
-    def __init__(self, scope: anyio.CancelScope, while_draining: bool) -> None:
-        self.scope = scope
-        self.while_draining = while_draining
+    - the client hanging up (unless the app was told not to watch: ``cancel_on_disconnect``),
+      watched once the body is read: answered 499, to nobody. A request that is still queued
+      then leaves its queue before dispatch (SPEC §5), one in a forward pass leaves its batch
+      undisturbed. Uvicorn and Hypercorn do not cancel a handler whose client left, so
+      without this every abandoned request was decoded and computed, and live callers waited
+      behind them (1,000 dropped connections made the next request take 4.9 s, not 0.3);
+    - the graceful timeout running out (:meth:`ServerState.expire_in_flight`): answered 503
+      ``closed`` with ``Retry-After``, which ``HttpClient`` retries, instead of the server's
+      bare 500 or dropped connection when it cancels the handler itself; a request still
+      uploading its body included (until session 21 only those past their upload were);
+    - its body stalling for the body timeout (:meth:`ServerState.watch_bodies`): answered 408.
+
+    A class, not a generator context manager, and one watchdog for every body rather than a
+    timeout scope each: those cost the event loop ~25 µs a request (a deadline on an anyio
+    scope alone ~14), about 2% of its CPU a request.
+    """
+
+    __slots__ = ("_state", "reading_since", "scope", "stalled", "while_draining")
+
+    def __init__(self, state: ServerState) -> None:
+        self._state = state
+        self.scope = anyio.CancelScope()
+        self.while_draining = state.draining
+        #: when the body last made progress; None once it is read
+        self.reading_since: float | None = time.monotonic()
+        self.stalled = False
+
+    def __enter__(self) -> Arrival:
+        self.scope.__enter__()
+        self._state.in_flight.add(self)
+        return self
+
+    def __exit__(self, *exc_info: Any) -> bool:
+        self._state.in_flight.discard(self)
+        return bool(self.scope.__exit__(*exc_info))
 
 
 class ServedModel:
@@ -166,9 +200,8 @@ class ServerState:
         #: The graceful timeout is about to run out: requests still in flight are cancelled
         #: and answered 503 ``closed`` (retry elsewhere), not cut off by the server.
         self.out_of_time = False
-        #: The cancel scopes of the requests in flight that can be cancelled (the hang-up
-        #: watch's): what :meth:`expire_in_flight` cancels.
-        self.in_flight: set[anyio.CancelScope] = set()
+        #: The requests in flight (:class:`Arrival`): what :meth:`expire_in_flight` cancels.
+        self.in_flight: set[Arrival] = set()
         #: Called (on the event loop) if a model fails to load: the CLI stops the server.
         self.on_fatal: Callable[[], None] | None = None
         #: Called (on the event loop) once loading is over, every model ready or failed, unless
@@ -216,34 +249,17 @@ class ServerState:
         """Refuse new requests (503 ``closed``) and fail readiness; in-flight ones go on."""
         self.stopping = self.draining = True
 
-    @contextmanager
-    def arrived(self) -> Iterator[Arrival]:
-        """A request in flight, from its headers on: its body's upload included.
+    def arrived(self) -> Arrival:
+        """A request in flight from its headers on: ``with state.arrived() as arrival:``."""
+        return Arrival(self)
 
-        Its scope is cancelled by two things, and the route then answers
-        :meth:`unanswered`:
-
-        - the client hanging up (unless the app was told not to watch:
-          ``cancel_on_disconnect``), watched once the body is read: answered 499, to nobody. A
-          request that is still queued then leaves its queue before dispatch (SPEC §5), one in
-          a forward pass leaves its batch undisturbed. Uvicorn and Hypercorn do not cancel a
-          handler whose client left, so without this every abandoned request was decoded and
-          computed, and live callers waited behind them (1,000 dropped connections made the
-          next request take 4.9 s, not 0.3);
-        - the graceful timeout running out (:meth:`expire_in_flight`): answered 503 ``closed``
-          with ``Retry-After``, which ``HttpClient`` retries, instead of the server's bare 500
-          or dropped connection when it cancels the handler itself; a request still uploading
-          its body included (until session 21 only those past their upload were).
-        """
-        with anyio.CancelScope() as scope:
-            self.in_flight.add(scope)
-            try:
-                yield Arrival(scope, self.draining)
-            finally:
-                self.in_flight.discard(scope)
-
-    def unanswered(self) -> Response:
-        """The answer of a request whose scope was cancelled (:meth:`arrived`)."""
+    def unanswered(self, arrival: Arrival) -> Response:
+        """The answer of a request whose scope was cancelled (:class:`Arrival` says by what)."""
+        if arrival.stalled:
+            raise RequestTimeoutError(
+                f"no part of the request body arrived for {self.body_timeout:g} s (the "
+                "server's body timeout)"
+            )
         if self.out_of_time:
             raise ClientClosedError(
                 "the server is shutting down and its graceful timeout ran out before this "
@@ -258,8 +274,24 @@ class ServerState:
         connection. Queued ones leave their queue; a ``/batch`` stops before its next pass."""
         self.begin_drain()
         self.out_of_time = True
-        for scope in list(self.in_flight):
-            scope.cancel()
+        for arrival in list(self.in_flight):
+            arrival.scope.cancel()
+
+    async def watch_bodies(self) -> None:
+        """Cancel every request whose body has sent nothing for ``body_timeout`` seconds (a
+        stalled or slow-loris client held its slot and the shutdown for ever), checking a few
+        times a timeout (at least once a second)."""
+        if self.body_timeout is None:
+            return
+        timeout = self.body_timeout
+        while True:
+            await anyio.sleep(min(timeout / 4, 1.0))
+            now = time.monotonic()
+            for arrival in list(self.in_flight):
+                since = arrival.reading_since
+                if since is not None and now - since > timeout:
+                    arrival.stalled = True
+                    arrival.scope.cancel()
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -348,24 +380,9 @@ def warm_up(client: InProcessClient) -> None:
 # -- request helpers ---------------------------------------------------------------------
 
 
-async def read_body(request: Request, limit: int, timeout: float | None = None) -> bytes:
-    """The raw body, refused with 413 over ``limit`` bytes (declared or actually streamed),
-    and with 408 when ``timeout`` seconds pass with none of it arriving."""
-    if timeout is None:
-        return await _read_body(request, limit)
-    with anyio.move_on_after(timeout) as idle:
-        return await _read_body(request, limit, idle, timeout)
-    raise RequestTimeoutError(
-        f"no part of the request body arrived for {timeout:g} s (the server's body timeout)"
-    )
-
-
-async def _read_body(
-    request: Request,
-    limit: int,
-    idle: anyio.CancelScope | None = None,
-    timeout: float = 0.0,
-) -> bytes:
+async def read_body(request: Request, limit: int, arrival: Arrival | None = None) -> bytes:
+    """The raw body, refused with 413 over ``limit`` bytes (declared or actually streamed).
+    Each chunk tells ``arrival`` the body is making progress (:meth:`ServerState.watch_bodies`)."""
     declared = request.headers.get("content-length", "")
     stream = request.stream()
     if declared.isdigit() and int(declared) > limit:
@@ -384,8 +401,10 @@ async def _read_body(
             await _discard(stream, size)
             raise PayloadTooLargeError(f"request body is over the limit of {limit} bytes")
         chunks.append(chunk)
-        if idle is not None:  # the timeout runs between chunks: a slow link is not a stall
-            idle.deadline = anyio.current_time() + timeout
+        if arrival is not None:  # the timeout runs between chunks: a slow link is no stall
+            arrival.reading_since = time.monotonic()
+    if arrival is not None:
+        arrival.reading_since = None
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
     if encoding != "identity":  # a gzip body would otherwise be "not valid JSON"
         raise StarletteHTTPException(
@@ -420,7 +439,7 @@ async def _in_flight(
     arrival: Arrival,
 ) -> Response:
     """``respond(work())``, once the body is read, watched for a hang-up unless the app was
-    told not to (``cancel_on_disconnect``); :meth:`ServerState.arrived` says why."""
+    told not to (``cancel_on_disconnect``); :class:`Arrival` says why."""
     if not state.cancel_on_disconnect:
         return respond(await work())
     return await _watched(request, work, respond, arrival.scope)
@@ -647,6 +666,7 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with anyio.create_task_group() as tg:
             tg.start_soon(state.load_all)
+            tg.start_soon(state.watch_bodies)
             try:
                 yield
             finally:
@@ -706,8 +726,8 @@ def create_app(
         work = partial(client.infer_async, body, mode, overload="reject")
         return await _in_flight(request, work, _said_untrained(client, _json), state, arrival)
 
-    async def body_of(request: Request) -> bytes:
-        return await read_body(request, state.max_body_bytes, state.body_timeout)
+    async def body_of(request: Request, arrival: Arrival) -> bytes:
+        return await read_body(request, state.max_body_bytes, arrival)
 
     async def infer(request: Request) -> Response:
         """One tile through ``mode`` (predict, embed or predict_with_embedding).
@@ -717,13 +737,13 @@ def create_app(
         with state.arrived() as arrival:
             # The body is read first even when the answer is an error: a client still writing
             # it would otherwise see the connection reset instead of the answer.
-            body = await body_of(request)
+            body = await body_of(request, arrival)
             mode, model = request.path_params["mode"], request.path_params["model"]
             if mode in _READ_ONLY:  # a GET route, with the wrong method: not a mode
                 raise StarletteHTTPException(405, headers={"Allow": "GET, HEAD"})
             checked, client = _mode(mode), state.client(model, arrival)
             return await answer(request, client, body, checked, arrival)
-        return state.unanswered()
+        return state.unanswered(arrival)
 
     # The single-tile route, every request's, is served by a plain Starlette route: FastAPI's
     # own handling of a route (its dependency solving and request/response wrappers) cost
@@ -769,7 +789,7 @@ def create_app(
         Answers a JSON list, or one response per line if the request accepts NDJSON.
         """
         with state.arrived() as arrival:
-            raw = await body_of(request)
+            raw = await body_of(request, arrival)
             checked, client = _mode(mode), state.client(model, arrival)
             verbatim = request.headers.get("content-type", "").startswith(BATCH_BODIES_JSON)
             bodies = _batch_bodies(raw, verbatim)
@@ -781,7 +801,7 @@ def create_app(
             ndjson = _prefers_ndjson(request.headers.get("accept", ""))
             respond = _said_untrained(client, _ndjson if ndjson else _json_list)
             return await _in_flight(request, work, respond, state, arrival)
-        return state.unanswered()
+        return state.unanswered(arrival)
 
     @app.post(
         "/invocations",
@@ -794,7 +814,7 @@ def create_app(
         """SageMaker-style dispatch on ``model_name`` and ``mode`` (``prediction``,
         ``embedding``, ``prediction_with_embedding`` or ``metadata``)."""
         with state.arrived() as arrival:
-            raw = await body_of(request)
+            raw = await body_of(request, arrival)
             envelope: InvocationEnvelope = parse_model(InvocationEnvelope, raw, "invocation")
             if envelope.mode != "metadata" and envelope.mode not in INVOCATION_MODES:
                 known = ", ".join(get_args(InvocationMode))
@@ -807,7 +827,7 @@ def create_app(
             invocation: InvocationRequest = parse_model(InvocationRequest, raw, "invocation")
             body = invocation.to_model_request().model_dump_json()
             return await answer(request, client, body, INVOCATION_MODES[envelope.mode], arrival)
-        return state.unanswered()
+        return state.unanswered(arrival)
 
     def readiness() -> JSONResponse:
         draining = state.stopping or state.draining
