@@ -319,6 +319,9 @@ def test_serve_gives_uvicorn_its_timeouts_as_they_are(
     assert main([*args, "--keep-alive-timeout", "0.25", "--graceful-timeout", "2.5"]) == 0
     assert configs[0].timeout_keep_alive == 0.25
     assert configs[0].timeout_graceful_shutdown == 2.5
+    # A service's log lines say when, uvicorn's as histoinfer's.
+    for formatter in configs[0].log_config["formatters"].values():
+        assert formatter["fmt"].startswith("%(asctime)s ")
     # The body timeout is the app's: 60 s by default, 0 for none.
     assert configs[0].app.state.histoinfer.body_timeout == 60.0
     assert main([*args, "--body-timeout", "0"]) == 0

@@ -250,6 +250,7 @@ def run(args: argparse.Namespace) -> int:
     sources = model_sources(args)
     _check_bindable(args.host, args.port)
     logging.getLogger("histoinfer").setLevel(args.log_level.upper())
+    _timestamped_log()
     app = create_app(
         sources,
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
@@ -286,6 +287,29 @@ def freeze_startup_heap() -> None:
     gc.collect()
     gc.freeze()
     log.info("start-up heap frozen: %d objects out of the collector's scans", gc.get_freeze_count())
+
+
+#: A service's log lines say when (the CLI's other commands' need not): histoinfer's own and
+#: hypercorn's through the root handler, uvicorn's through its own configuration.
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def _timestamped_log() -> None:
+    for handler in logging.getLogger().handlers:
+        if type(handler) is logging.StreamHandler:  # the CLI's (basicConfig), no one else's
+            handler.setFormatter(logging.Formatter(LOG_FORMAT))
+
+
+def _uvicorn_log_config() -> dict[str, Any]:
+    """uvicorn's own logging configuration, its lines timestamped like histoinfer's."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    config: dict[str, Any] = copy.deepcopy(LOGGING_CONFIG)
+    for formatter in config["formatters"].values():
+        formatter["fmt"] = "%(asctime)s " + formatter["fmt"]
+    return config
 
 
 def _authority(host: str, port: int) -> str:
@@ -329,6 +353,7 @@ def _run_uvicorn(app: Any, state: ServerState, args: argparse.Namespace) -> None
         port=args.port,
         lifespan="on",
         log_level=args.log_level,
+        log_config=_uvicorn_log_config(),
         access_log=args.access_log,
         # Annotated int, but uvicorn only waits them out (call_later, wait_for), which take any
         # number of seconds: as given, not rounded up to whole seconds as they were.

@@ -261,7 +261,12 @@ class StatsCollector(Collector):
         busy = _per_mode(c, "forward_busy_seconds", "Time spent in forward passes.")
         errors = _per_mode(c, "errors", "Forward passes that raised.")
         error_kinds = _per_mode(c, "errors_by_kind", "Errors by exception class.", "kind")
-        cancelled = _per_mode(c, "cancelled", "Requests cancelled while queued.")
+        cancelled = _per_mode(
+            c,
+            "cancelled",
+            "Requests whose caller left while queued for a forward pass (one that left while "
+            "its body was read or decoded is in histoinfer_http_responses_total as 499 only).",
+        )
         ready = GaugeMetricFamily(
             "histoinfer_model_ready", "1 once the model is loaded and warmed up.", labels=["model"]
         )
