@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 import sys
 from collections.abc import Iterator
@@ -67,3 +68,13 @@ def reference(tiny_model: ServerModel) -> Iterator[InProcessClient]:
     """Explicit batching (no scheduler): the expected outputs, one client per test module."""
     with InProcessClient(tiny_model, dynamic_batching=False) as c:
         yield c
+
+
+@pytest.fixture(autouse=True)
+def _histoinfer_log_level() -> Iterator[None]:
+    """An in-process ``histoinfer serve`` (tests/test_cli.py) sets the histoinfer logger's
+    level for the process; put it back, so no test sees another's level."""
+    logger = logging.getLogger("histoinfer")
+    level = logger.level
+    yield
+    logger.setLevel(level)
