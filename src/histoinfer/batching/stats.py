@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from collections import Counter, deque
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 __all__ = ["BatchStats", "StatsSnapshot"]
@@ -91,29 +91,24 @@ class BatchStats:
 
     def snapshot(self) -> StatsSnapshot:
         with self._lock:
-            # Copied under the lock, sorted outside it: sorting 2 x 20,000 floats took ~5 ms,
-            # during which the device thread's record_batch (and every submit) waited.
+            # The windows copied under the lock, sorted outside it: sorting 2 x 20,000 floats
+            # took ~5 ms, during which the device thread's record_batch (and every submit) waited.
             queue_waits, forward_times = list(self._queue_waits), list(self._forward_times)
-            counters = (
-                self._batches,
-                self._samples,
-                dict(sorted(self._histogram.items())),
-                dict(self._errors),
-                self._cancelled,
-                self._queue_depth,
-                self._forward_busy,
+            counted = StatsSnapshot(
+                batches=self._batches,
+                samples=self._samples,
+                mean_batch_size=self._samples / self._batches if self._batches else 0.0,
+                batch_size_histogram=dict(sorted(self._histogram.items())),
+                queue_wait_ms={},
+                forward_ms={},
+                errors=sum(self._errors.values()),
+                error_kinds=dict(self._errors),
+                cancelled=self._cancelled,
+                queue_depth=self._queue_depth,
+                forward_busy_s=self._forward_busy,
             )
-        batches, samples, histogram, errors, cancelled, depth, busy = counters
-        return StatsSnapshot(
-            batches=batches,
-            samples=samples,
-            mean_batch_size=samples / batches if batches else 0.0,
-            batch_size_histogram=histogram,
+        return replace(
+            counted,
             queue_wait_ms=_percentiles(queue_waits),
             forward_ms=_percentiles(forward_times),
-            errors=sum(errors.values()),
-            error_kinds=errors,
-            cancelled=cancelled,
-            queue_depth=depth,
-            forward_busy_s=busy,
         )

@@ -41,9 +41,14 @@ def _load(values: list[float] | None) -> str:
     return "–" if not values else "/".join(f"{v:.2f}" for v in values)
 
 
-def _in_flight(row: dict[str, Any]) -> str:
+def _in_flight(row: dict[str, Any]) -> int:
     """Requests really in flight (reports written before it was recorded: as asked)."""
-    return str(row.get("in_flight", row["concurrency"]))
+    return int(row.get("in_flight", row["concurrency"]))
+
+
+def _is_burst(row: dict[str, Any]) -> bool:
+    """Each caller sent one request: as many in flight as tiles measured."""
+    return bool(row.get("in_flight", 0) == row["tiles"] > 1)
 
 
 _BURST_NOTE = (
@@ -196,7 +201,7 @@ def markdown(report: dict[str, Any]) -> str:
         headers = ["model", "path", "mode", "in flight", "tiles", "tiles/s", "p50 ms", "p95 ms"]
         headers += ["p99 ms", "mean batch", "forward busy", "CPU ms/tile", _CPU_SPLIT_HEADER]
         rows = [
-            [row["model"], row["path"], _mode(row), _in_flight(row)]
+            [row["model"], row["path"], _mode(row), str(_in_flight(row))]
             + [str(row["tiles"])]
             + [f"{row['throughput']:.1f}"]
             + [f"{row['latency_ms'][q]:.1f}" for q in ("p50", "p95", "p99")]
@@ -206,7 +211,7 @@ def markdown(report: dict[str, Any]) -> str:
         ]
         out += ["## Throughput and latency", "", *_table(headers, rows)]
         out += [_COLUMNS_NOTE, ""]
-        if any(row.get("in_flight", 0) == row["tiles"] > 1 for row in throughput["rows"]):
+        if any(_is_burst(row) for row in throughput["rows"]):
             out += [_BURST_NOTE, ""]
         if any(row.get("cpu_ms_per_tile_by_role") for row in throughput["rows"]):
             out += [_CPU_SPLIT_NOTE, ""]
@@ -291,16 +296,15 @@ def plot(report: dict[str, Any], path: Path) -> bool:
     fig, axes = plt.subplots(len(models), 2, figsize=(12, 4.5 * len(models)), squeeze=False)
     for (ax_tp, ax_lat), model in zip(axes, models, strict=True):
         rows = [row for row in throughput["rows"] if row["model"] == model]
-        bursts = any(r.get("in_flight", 0) == r["tiles"] > 1 for r in rows)
-        burst = " (the largest: one burst of every tile)" if bursts else ""
+        burst = " (the largest: one burst of every tile)" if any(map(_is_burst, rows)) else ""
         modes = list(dict.fromkeys(_mode(row) for row in rows))
         paths = list(dict.fromkeys(row["path"] for row in rows))
         for name, mode in dict.fromkeys((row["path"], _mode(row)) for row in rows):
             series = sorted(
                 (r for r in rows if (r["path"], _mode(r)) == (name, mode)),
-                key=lambda r: int(_in_flight(r)),
+                key=_in_flight,
             )
-            xs = [int(_in_flight(r)) for r in series]  # as measured, as the table says
+            xs = [_in_flight(r) for r in series]  # as measured, as the table says
             # One colour per path, one line style per mode.
             style: dict[str, Any] = {"marker": "o", "color": f"C{paths.index(name) % 10}"}
             style["label"] = name if len(modes) == 1 else f"{name} ({mode})"

@@ -319,17 +319,14 @@ def verdict(check: dict[str, Any]) -> str:
     if met is None:  # a report written before rounds were counted
         return head
     disturbed = check.get("disturbed") or []
-    if disturbed:
-        which = ", ".join(f"{i + 1} ({check['per_round'][i]:.2f})" for i in disturbed)
-        since = f"; disturbed round{'s' * (len(disturbed) > 1)} {which}: not decided"
-    else:
-        since = ""
+    which = ", ".join(f"{i + 1} ({check['per_round'][i]:.2f})" for i in disturbed)
+    undecided = f"; disturbed round{'s' * (len(disturbed) > 1)} {which}" if disturbed else ""
     if met not in (0, rounds):
-        return f"{head} by the median; met in {met} of {rounds} rounds" + (since or ": not decided")
+        return f"{head} by the median; met in {met} of {rounds} rounds{undecided}: not decided"
     # All rounds agree here, and with the median: "met in every round", "not met in any".
     every = f"in {'every' if met else 'any'} round ({met} of {rounds})"
-    if since:
-        return f"{head} {every}{since}"
+    if undecided:
+        return f"{head} {every}{undecided}: not decided"
     if not check.get("decided"):
         return f"{head} {every}; too few rounds to decide"
     return f"{head} {every}"

@@ -159,6 +159,12 @@ def non_finite_error(model: str, where: str) -> ModelExecutionError:
     )
 
 
+def assets_folder(checkpoint_path: str | Path, assets_dir: str | Path | None = None) -> Path:
+    """Where :meth:`ServerModel.from_files` looks for ``model.json``: ``assets_dir``, else the
+    checkpoint's own folder."""
+    return Path(assets_dir if assets_dir is not None else Path(checkpoint_path).parent).expanduser()
+
+
 class ServerModel:
     """A tile model whose program maps a normalized float batch to ``(predictions, embedding)``.
 
@@ -252,7 +258,7 @@ class ServerModel:
         # The checkpoint first: a mistyped path must be reported as a missing checkpoint, not
         # as a missing model.json beside it. Its kind is sniffed before the slow assets check.
         sniff_kind(checkpoint_path)
-        assets = load_assets(assets_dir if assets_dir is not None else checkpoint_path.parent)
+        assets = load_assets(assets_folder(checkpoint_path, assets_dir))
         return cls(load_checkpoint(checkpoint_path, device), assets, device)
 
     @property

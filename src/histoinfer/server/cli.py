@@ -31,6 +31,7 @@ from ..cli import CommandError, add_import_option, import_modules, unknown_model
 from ..clients.inprocess import InProcessClient
 from ..models import ServerModel
 from ..models.assets import ASSETS_FILE
+from ..models.base import assets_folder
 from ..models.registry import UnknownModelError, model_class
 from .app import ClientSource, ServerState, create_app
 
@@ -220,9 +221,9 @@ def model_sources(args: argparse.Namespace) -> dict[str, ClientSource]:
             raise unknown_model(f"--model {spec}", exc) from exc
         # So is a missing model.json, where ServerModel.from_files would look for it (a class
         # with a loader of its own may not need one): else it failed seconds after binding.
-        found = (assets_dir if assets_dir is not None else checkpoint.parent).expanduser()
-        own_loader = getattr_static(cls, "from_files") is getattr_static(ServerModel, "from_files")
-        if own_loader and not (found / ASSETS_FILE).is_file():
+        found = assets_folder(checkpoint, assets_dir)
+        stock = getattr_static(ServerModel, "from_files")
+        if getattr_static(cls, "from_files") is stock and not (found / ASSETS_FILE).is_file():
             raise CommandError(
                 f"model assets {found / ASSETS_FILE} for model {name!r} not found (give --assets "
                 "DIR per --model if they are elsewhere)"
