@@ -186,6 +186,8 @@ class ServerState:
     ) -> None:
         if not models:
             raise ValueError("create_app needs at least one model")
+        if body_timeout is not None and not body_timeout > 0:  # 0 would spin the watchdog
+            raise ValueError(f"body_timeout must be more than 0 s, or None, got {body_timeout!r}")
         self.models = {name: ServedModel(name, source) for name, source in models.items()}
         self.max_body_bytes = max_body_bytes
         self.body_timeout = body_timeout
