@@ -13,6 +13,7 @@ import json
 import re
 import threading
 import time
+import tracemalloc
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -551,6 +552,58 @@ def test_bad_positions_past_the_listed_runs_are_counted(client: InProcessClient)
     assert "(positions 1, 3, 5, " in message
     assert ", 1997, 1999 and 1005 more after them)" in message  # 1,000 runs listed
     assert len(message) < 20_000
+
+
+def test_a_refused_batch_of_many_bodies_holds_no_error_per_body(client: InProcessClient) -> None:
+    """Only the first problems are kept (each error holds its traceback and frames): every
+    error of a 30 MB batch of six million one-character bodies took a process past 10 GB."""
+    bodies = ["1"] * 40_000
+    tracemalloc.start()
+    try:
+        with pytest.raises(InvalidRequestError) as info:
+            client.predict_batch(bodies)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert str(info.value).startswith("40000 of 40000 requests are invalid (positions 0-39999)")
+    assert peak < 8_000_000, f"{peak / 1e6:.0f} MB traced while refusing 40,000 bodies"
+
+
+def test_a_batch_decoded_on_threads_runs_a_window_ahead_not_the_whole_batch(
+    monkeypatch: pytest.MonkeyPatch, model: CountingModel
+) -> None:
+    """The decode threads run at most two slices ahead of the bodies taken: a future each
+    for every body held gigabytes for huge batches, and a hang-up left them all queued."""
+    decoded: list[int] = []
+    real_prepare = inprocess._prepare
+
+    def counting_prepare(*args: Any, **kwargs: Any) -> Any:
+        decoded.append(args[3])
+        return real_prepare(*args, **kwargs)
+
+    monkeypatch.setattr(inprocess, "_prepare", counting_prepare)
+    checks = itertools.count(1)
+
+    class Left(Exception):
+        pass
+
+    def check_cancelled() -> None:
+        if next(checks) == 2:  # the first slice of 4 taken: give the threads time to run on
+            deadline = time.monotonic() + 1.0
+            while len(decoded) <= 12 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            raise Left
+
+    bodies = [make_body(i) for i in range(200)]
+    with (
+        InProcessClient(
+            model, max_batch_size=4, dynamic_batching=False, batch_decode_threads=2
+        ) as client,
+        pytest.raises(Left),
+    ):
+        client.infer_batch(bodies, "predict", check_cancelled=check_cancelled)
+    # 4 taken, 8 more ahead of them, and at most one a thread started as the window moved
+    assert len(decoded) <= 4 + 8 + 2, f"{len(decoded)} of 200 bodies decoded"
 
 
 GOOD = [make_body(i) for i in range(8)]

@@ -38,7 +38,8 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Coroutine
+from collections import deque
+from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
@@ -78,6 +79,7 @@ from .arguments import check_count, check_flag, check_seconds
 from .cores import CoreShare
 from .lifecycle import CLIENT_CLOSED, ClosingContext, InFlight, running_loop_here
 from .portal import PortalThread
+from .refusals import BatchRefusal
 
 __all__ = ["InProcessClient"]
 
@@ -848,14 +850,15 @@ class InProcessClient(ClosingContext):
             self.server_model.check_mode(mode)
             check = check_cancelled or _never_cancelled
             prepared: list[Prepared] = []
-            problems: dict[int, InferenceError] = {}
+            refusal = BatchRefusal()
             for position, decoded in enumerate(self._decode_batch(bodies, mode, check)):
                 if isinstance(decoded, InferenceError):
-                    problems[position] = decoded
-                else:
+                    refusal.add(position, decoded)
+                    prepared.clear()  # nothing will be computed: its tiles need not be held
+                elif not refusal:
                     prepared.append(decoded)
-            if problems:
-                raise _batch_refusal(problems, len(bodies))
+            if refusal:
+                raise refusal.error(len(bodies))
             responses: list[str] = []
             for start in range(0, len(prepared), self.max_batch_size):
                 check()
@@ -874,41 +877,56 @@ class InProcessClient(ClosingContext):
 
     def _decode_batch(
         self, bodies: list[str], mode: Mode, check: Callable[[], object]
-    ) -> list[Decoded]:
-        """Every body of a ``*_batch`` call, in order; on ``batch_decode_threads`` threads.
-        ``check()`` runs before every ``max_batch_size`` bodies are taken (in this thread)."""
+    ) -> Iterator[Decoded]:
+        """Every body of a ``*_batch`` call, in order, as it is decoded; on
+        ``batch_decode_threads`` threads. ``check()`` runs before every ``max_batch_size``
+        bodies are taken (in this thread)."""
         decode = partial(_prepare_or_refusal, self.server_model, mode=mode)
         every = self.max_batch_size
         if self.batch_decode_threads == 1 or len(bodies) < 2:
-            decoded: list[Decoded] = []
             for i, body in enumerate(bodies):
                 if i % every == 0:
                     check()
-                decoded.append(decode(body, position=i))
-            return decoded
+                yield decode(body, position=i)
+            return
+        pool = self._batch_decode_pool()
+        # A window of bodies ahead of the one taken, not the whole batch at once: a future
+        # each for millions of bodies held gigabytes, and a hang-up left them all queued.
+        ahead = 2 * max(every, self.batch_decode_threads)
+        pending: deque[concurrent.futures.Future[Decoded]] = deque()
+        taken = 0
+
+        def take() -> Decoded:
+            nonlocal taken
+            if taken % every == 0:
+                check()
+            taken += 1
+            return pending.popleft().result()
+
+        try:
+            for i, body in enumerate(bodies):
+                try:
+                    pending.append(pool.submit(decode, body, position=i))
+                except RuntimeError:
+                    if self._calls.closed:  # close() from a thread with a running loop
+                        raise ClientClosedError(CLIENT_CLOSED) from None
+                    raise
+                if len(pending) == ahead:
+                    yield take()
+            while pending:
+                yield take()
+        finally:  # left early: the bodies not yet decoded never are
+            for future in pending:
+                future.cancel()
+
+    def _batch_decode_pool(self) -> ThreadPoolExecutor:
         with self._threads_lock:
             if self._batch_decoder is None:
                 self._batch_decoder = ThreadPoolExecutor(
                     self.batch_decode_threads, thread_name_prefix="histoinfer-batch-decode"
                 )
                 weakref.finalize(self, self._batch_decoder.shutdown, wait=False)
-            pool = self._batch_decoder
-        try:
-            futures = [pool.submit(decode, body, position=i) for i, body in enumerate(bodies)]
-        except RuntimeError:
-            if self._calls.closed:  # close() from a thread with a running loop stopped the pool
-                raise ClientClosedError(CLIENT_CLOSED) from None
-            raise
-        try:
-            decoded = []
-            for i, future in enumerate(futures):
-                if i % every == 0:
-                    check()
-                decoded.append(future.result())
-            return decoded
-        finally:  # left early: the bodies not yet decoded never are
-            for future in futures:
-                future.cancel()
+            return self._batch_decoder
 
     def _forward_chunk(self, chunk: list[Prepared], mode: Mode, offset: int) -> list[SampleOutput]:
         outputs, failing = self._forward_bisecting(chunk, mode, offset)
@@ -1062,56 +1080,6 @@ def _waits(overload: Overload) -> bool:
 
 def _remaining(deadline: float | None) -> float | None:
     return None if deadline is None else deadline - time.perf_counter()
-
-
-#: Problems a refused ``*_batch`` call describes one by one; the rest are counted. A body of a
-#: million tiny invalid elements must not answer with a message of tens of megabytes.
-_NAMED_PROBLEMS = 20
-#: Runs of bad positions listed (``0-24, 30``): every one in any batch a user would send; past
-#: this many (a huge batch, every other body bad), the rest are counted.
-_LISTED_RUNS = 1_000
-
-
-def _batch_refusal(problems: dict[int, InferenceError], total: int) -> InferenceError:
-    """Why a ``*_batch`` call computed nothing: the invalid requests, every bad position and
-    what is wrong with the first ones (SPEC 2.2: ``InvalidRequestError``, whatever else
-    failed); else a model's failure to prepare a request as it is (ServerModel.prepared_tile).
-    """
-    invalid = {p: e for p, e in problems.items() if isinstance(e, InvalidRequestError)}
-    failed = [p for p in problems if p not in invalid]
-    if not invalid:
-        return problems[failed[0]]
-    # The class a single request would get when every problem is of that kind (all bulk_rna:
-    # UnsupportedModeError, 400 over HTTP), else the general one.
-    kinds = {type(p) for p in invalid.values()}
-    error = kinds.pop() if len(kinds) == 1 else InvalidRequestError
-    described = list(invalid.values())[:_NAMED_PROBLEMS]
-    named = "; ".join(map(str, described))
-    if len(invalid) > len(described):
-        named += f"; and {len(invalid) - len(described)} more"
-    where = f"position{'s' if len(invalid) > 1 else ''} {_runs(list(invalid))}"
-    if failed:  # valid requests the model could not prepare: said, not hidden behind the rest
-        which = f"position{'s' if len(failed) > 1 else ''} {_runs(failed)}"
-        named += f"; and the model failed to prepare {which}: {problems[failed[0]]}"
-    return error(
-        f"{len(invalid)} of {total} requests are invalid ({where}), nothing was computed: {named}"
-    )
-
-
-def _runs(positions: list[int]) -> str:
-    """Ascending ``positions`` as runs: ``0-3, 7, 9-10``; past :data:`_LISTED_RUNS` runs,
-    the rest counted."""
-    runs: list[list[int]] = []
-    for position in positions:
-        if runs and position == runs[-1][1] + 1:
-            runs[-1][1] = position
-        else:
-            runs.append([position, position])
-    shown = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs[:_LISTED_RUNS])
-    if len(runs) > _LISTED_RUNS:
-        rest = sum(b - a + 1 for a, b in runs[_LISTED_RUNS:])
-        shown += f" and {rest} more after them"
-    return shown
 
 
 def _execution_error(request: ModelRequest | None, exc: BaseException) -> ModelExecutionError:
