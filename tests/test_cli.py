@@ -236,6 +236,7 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
         ("--max-body-mb", "-1", "at least 0.001 (1 KiB)"),
         ("--max-body-mb", "0.0000001", "at least 0.001 (1 KiB)"),  # was 0 bytes: 413 for all
         ("--request-timeout", "0", "more than 0"),
+        ("--max-batch-requests", "0", "at least 1"),
         ("--graceful-timeout", "-5", "0 or more"),
     ],
 )
@@ -326,6 +327,10 @@ def test_serve_gives_uvicorn_its_timeouts_as_they_are(
     assert configs[0].app.state.histoinfer.body_timeout == 60.0
     assert main([*args, "--body-timeout", "0"]) == 0
     assert configs[1].app.state.histoinfer.body_timeout is None
+    # So is the most requests a /batch takes.
+    assert configs[0].app.state.histoinfer.max_batch_requests == 4096
+    assert main([*args, "--max-batch-requests", "10"]) == 0
+    assert configs[2].app.state.histoinfer.max_batch_requests == 10
 
 
 @pytest.mark.parametrize("spec", ["a/b=h1", "=h1"])

@@ -159,6 +159,30 @@ async def test_body_over_the_limit_is_413(tiny_model):
         assert (await http.post("/api/embed/h1", content=make_body(2))).status_code == 200
 
 
+async def test_a_batch_of_more_requests_than_the_limit_is_413_and_computes_nothing(tiny_model):
+    """A /batch body of millions of tiny elements took minutes of CPU and gigabytes (every
+    element refused one by one): past ``max_batch_requests`` it is refused as it is."""
+    model, watch = hooked_model(tiny_model)
+    app = create_app(fresh_client(model), max_batch_requests=3)
+    async with serving(app) as http:
+        passes = watch.calls  # the warm-up's
+        bodies = [json.loads(make_body(i)) for i in range(4)]
+        p = assert_problem(await http.post("/api/predict/h1/batch", json=bodies), 413)
+        assert p["type"].endswith("/payload-too-large")
+        assert "4 requests" in p["detail"] and "at most 3" in p["detail"]
+        assert "--max-batch-requests" in p["detail"]
+        assert watch.calls == passes  # nothing computed
+        r = await http.post("/api/predict/h1/batch", json=bodies[:3])
+        assert r.status_code == 200 and len(r.json()) == 3
+        assert_problem(await http.post("/api/predict/h1/batch", json=[1] * 10), 413)
+
+
+async def test_max_batch_requests_must_be_a_count(tiny_model):
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="max_batch_requests must be at least 1"):
+            create_app(fresh_client(tiny_model), max_batch_requests=bad)
+
+
 def post_scope(path: str, content_length: int) -> dict[str, Any]:
     """The ASGI scope of a POST to ``path``, as a server passes it to the app."""
     return {

@@ -183,13 +183,17 @@ class ServerState:
         warmup: bool,
         cancel_on_disconnect: bool = True,
         body_timeout: float | None = None,
+        max_batch_requests: int | None = None,
     ) -> None:
         if not models:
             raise ValueError("create_app needs at least one model")
         if body_timeout is not None and not body_timeout > 0:  # 0 would spin the watchdog
             raise ValueError(f"body_timeout must be more than 0 s, or None, got {body_timeout!r}")
         self.models = {name: ServedModel(name, source) for name, source in models.items()}
+        if max_batch_requests is not None and not max_batch_requests >= 1:
+            raise ValueError(f"max_batch_requests must be at least 1, got {max_batch_requests!r}")
         self.max_body_bytes = max_body_bytes
+        self.max_batch_requests = max_batch_requests
         self.body_timeout = body_timeout
         self.retry_after = retry_after
         self.warmup = warmup
@@ -496,7 +500,7 @@ def _mode(mode: str) -> Mode:
     return mode
 
 
-def _batch_bodies(raw: bytes, verbatim: bool) -> Any:
+def _batch_bodies(raw: bytes, verbatim: bool, limit: int | None = None) -> Any:
     """The bodies of a batch request, for ``InProcessClient.infer_batch``.
 
     String elements are passed as they are (they are request bodies). Object elements are
@@ -504,7 +508,8 @@ def _batch_bodies(raw: bytes, verbatim: bool) -> Any:
     is ``BATCH_BODIES_JSON``, where every element is exactly what the caller passed (a dict is
     refused as in-process; ``{BYTES_KEY: base64}`` is a bytes body, ``{STR_KEY: base64}`` a str
     body that is not valid Unicode). A ``BATCH_BODIES_JSON`` body that is not a list is passed
-    on: ``infer_batch`` rejects it with the message in-process callers get.
+    on: ``infer_batch`` rejects it with the message in-process callers get. A list of more
+    than ``limit`` elements is refused (413) before any element is looked at.
     """
     try:
         items = pydantic_core.from_json(raw, allow_inf_nan=False)
@@ -518,6 +523,11 @@ def _batch_bodies(raw: bytes, verbatim: bool) -> Any:
         raise InvalidRequestError(
             f"invalid batch: the body must be a JSON list of requests (objects, or JSON "
             f"strings), got {kind}"
+        )
+    if limit is not None and len(items) > limit:
+        raise PayloadTooLargeError(
+            f"invalid batch: {len(items)} requests; the server takes at most {limit} in one "
+            "batch (histoinfer serve --max-batch-requests): send them in several"
         )
     if verbatim:
         return [_wrapped_body(item) if isinstance(item, dict) else item for item in items]
@@ -629,6 +639,7 @@ def create_app(
     warmup: bool = True,
     cancel_on_disconnect: bool = True,
     body_timeout: float | None = 60.0,
+    max_batch_requests: int | None = 4096,
 ) -> FastAPI:
     """Build the microservice over one or more in-process clients.
 
@@ -648,6 +659,10 @@ def create_app(
         body_timeout: seconds a request's body may go without sending any of it before it
             is answered 408 (nginx's ``client_body_timeout``, 60 s); None: no limit. The time
             to send the headers is the ASGI server's to bound (docs/server.md).
+        max_batch_requests: a ``/batch`` body of more requests is refused with 413 before
+            any is parsed as a request; None: no limit. A batch holds every tile until all
+            are decoded (SPEC §2.2, all or nothing), and a body of millions of tiny elements
+            cost minutes of CPU and gigabytes; 4096 is more 224-px tiles than 64 MiB holds.
 
     The app must run its lifespan (every ASGI server does; in tests use
     ``async with app.router.lifespan_context(app)``). Its :class:`ServerState` is
@@ -662,6 +677,7 @@ def create_app(
         warmup=warmup,
         cancel_on_disconnect=cancel_on_disconnect,
         body_timeout=body_timeout,
+        max_batch_requests=max_batch_requests,
     )
 
     @asynccontextmanager
@@ -794,7 +810,7 @@ def create_app(
             raw = await body_of(request, arrival)
             checked, client = _mode(mode), state.client(model, arrival)
             verbatim = request.headers.get("content-type", "").startswith(BATCH_BODIES_JSON)
-            bodies = _batch_bodies(raw, verbatim)
+            bodies = _batch_bodies(raw, verbatim, state.max_batch_requests)
             # Cancelled (a hang-up, the graceful timeout), the batch stops at its next slice
             # or pass: the worker thread checks its host task's cancellation between them.
             check = anyio.from_thread.check_cancelled

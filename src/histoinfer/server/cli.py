@@ -100,6 +100,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "(default: 64)",
     )
     add(
+        "--max-batch-requests",
+        type=_count,
+        default=4096,
+        help="the most requests in one /batch body; more get 413 (default: %(default)s)",
+    )
+    add(
         "--request-timeout",
         type=_above_zero,
         default=None,
@@ -259,6 +265,7 @@ def run(args: argparse.Namespace) -> int:
         warmup=not args.no_warmup,
         cancel_on_disconnect=not args.no_cancel_on_disconnect,
         body_timeout=args.body_timeout or None,
+        max_batch_requests=args.max_batch_requests,
     )
     state: ServerState = app.state.histoinfer
     state.on_loaded = freeze_startup_heap
