@@ -16,6 +16,7 @@ from PIL import Image
 from histoinfer import ModelMetadata, ModelRequest, ModelResponse
 from histoinfer.errors import InvalidRequestError
 from histoinfer.schema import (
+    MAX_BULK_RNA,
     NAMED_PROBLEMS,
     InvocationEnvelope,
     InvocationRequest,
@@ -143,7 +144,7 @@ def test_long_inputs_are_abbreviated_in_messages() -> None:
 @pytest.mark.parametrize(
     ("overrides", "count", "first"),
     [
-        ({"bulk_rna": ["x"] * 200_000}, 200_000, "field 'bulk_rna.0': Input should be a valid"),
+        ({"bulk_rna": ["x"] * MAX_BULK_RNA}, MAX_BULK_RNA, "field 'bulk_rna.0': Input should be"),
         ({f"key{i}": 0 for i in range(100_000)}, 100_000, "unknown field 'key0'"),
         ({"x": -1, "bulk_rna": [1.0, "a"] * 30}, 31, "field 'x': Input should be greater"),
     ],
@@ -212,6 +213,49 @@ def test_response_omits_embedding_unless_present() -> None:
 def test_response_json_is_deterministic() -> None:
     fields = dict(output=[0.1, -2.5], slide_name="s", x=1, y=2, width=3, height=4, patch_idx=5)
     assert ModelResponse(**fields).model_dump_json() == ModelResponse(**fields).model_dump_json()
+
+
+@pytest.mark.parametrize("as_bytes", [False, True])
+@pytest.mark.parametrize(
+    "overrides",
+    [{"image_data": [1] * 400_000}, {f"k{i}": 0 for i in range(150_000)}],
+    ids=["a long list", "many keys"],
+)
+def test_a_long_body_of_more_values_than_a_request_holds_is_refused_unparsed(
+    overrides: dict[str, Any], as_bytes: bool
+) -> None:
+    """pydantic takes ~20 times such a body's text to parse it (a 30 MB list: 650 MB), more
+    again for the errors naming it: counted, not parsed."""
+    text = body(**overrides)
+    with pytest.raises(InvalidRequestError) as info:
+        parse_request(text.encode() if as_bytes else text, 7)
+    commas = text.count(",")
+    assert str(info.value) == (
+        f"invalid request at batch position 7: body has {commas:,} commas: a request has its "
+        f"fields and at most {MAX_BULK_RNA:,} bulk_rna values (a list or an object this long "
+        "is not a request)"
+    )
+
+
+def test_an_invocation_envelope_is_screened_too() -> None:
+    """Its extra fields are ignored, but pydantic parses them all the same."""
+    text = json.dumps({"model_name": "h1", "mode": "prediction", "junk": [0] * 400_000})
+    with pytest.raises(InvalidRequestError, match=r"^invalid invocation: body has 400,001 commas"):
+        parse_model(InvocationEnvelope, text.encode(), "invocation")
+
+
+def test_long_valid_bodies_pass_the_screen() -> None:
+    long_image = "A" * (2 << 20)  # a large image's base64: no commas
+    assert parse_request(body(image_data=long_image)).image_data == long_image
+    bulk = [0.123456789012] * MAX_BULK_RNA  # the most a request holds: 1.6 MB of them
+    text = body(bulk_rna=bulk, slide_name="a," * 30)  # and commas in its name
+    assert len(text) > (1 << 20)
+    assert parse_request(text.encode()).bulk_rna == bulk
+
+
+def test_bulk_rna_longer_than_a_transcriptome_is_refused_naming_the_field() -> None:
+    with pytest.raises(InvalidRequestError, match="field 'bulk_rna': List should have at most"):
+        parse_request(body(bulk_rna=[0.5] * (MAX_BULK_RNA + 1)))
 
 
 def test_metadata_round_trips(tiny_model: Any) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
+import numpy as np
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -22,6 +23,7 @@ from pydantic_core import from_json
 from .errors import InvalidRequestError
 
 __all__ = [
+    "MAX_BULK_RNA",
     "MODES",
     "BatchingSettings",
     "InvocationEnvelope",
@@ -49,6 +51,9 @@ PositiveInt = Annotated[int, Field(gt=0)]
 
 _STRICT = ConfigDict(extra="forbid", strict=True, frozen=True)
 
+#: the most ``bulk_rna`` values a request may hold: a whole transcriptome is ~60,000 genes
+MAX_BULK_RNA = 100_000
+
 
 class ModelRequest(BaseModel):
     """One tile to run through a model."""
@@ -67,7 +72,9 @@ class ModelRequest(BaseModel):
         default=None, description="µm/px of the tile"
     )
     bulk_rna: list[Annotated[float, Field(allow_inf_nan=False)]] | None = Field(
-        default=None, description="only for models that take it; otherwise rejected"
+        default=None,
+        max_length=MAX_BULK_RNA,
+        description="only for models that take it; otherwise rejected",
     )
 
     def where(self) -> str:
@@ -275,19 +282,48 @@ def not_a_json_string(body: object, position: int | None = None) -> InvalidReque
     )
 
 
+#: bodies this long or longer are screened by :func:`_screen` before parsing
+_SCREENED_FROM = 1 << 20
+
+#: commas a request may hold beside its ``bulk_rna`` values: its other fields' separators,
+#: with room for a few in its slide name
+_OTHER_COMMAS = 64
+
+
+def _screen(body: str | bytes, what: str) -> None:
+    """A long body with more commas than a request's values, refused before pydantic parses
+    it: a JSON value takes ~20 times its text there (a 30 MB list of numbers, 650 MB), more
+    again as the errors that name it, on every thread that decodes. A request's only list is
+    ``bulk_rna``, so a valid one has no more than its length and a few more; base64 has none.
+    Counted at ~0.1 ms a MB: a long body is a large image, whose decoding costs far more."""
+    if len(body) < _SCREENED_FROM:
+        return
+    if isinstance(body, str):
+        commas = body.count(",")
+    else:
+        commas = int(np.count_nonzero(np.frombuffer(body, np.uint8) == ord(",")))
+    if commas > MAX_BULK_RNA + _OTHER_COMMAS:
+        raise InvalidRequestError(
+            f"{what}: body has {commas:,} commas: a request has its fields and at most "
+            f"{MAX_BULK_RNA:,} bulk_rna values (a list or an object this long is not a request)"
+        )
+
+
 def parse_request(body: str | bytes, position: int | None = None) -> ModelRequest:
     """Parse one request body, raising :class:`InvalidRequestError` that names what was wrong."""
     if not isinstance(body, (str, bytes, bytearray)):
         raise not_a_json_string(body, position)
+    what = f"invalid request{locate(position)}"
+    _screen(body, what)
     try:
         return ModelRequest.model_validate_json(body)
     except ValidationError as exc:
-        what = f"invalid request{locate(position)}"
         raise InvalidRequestError(_invalid(ModelRequest, body, exc, what)) from None
 
 
 def parse_model(model: type[BaseModel], body: str | bytes, what: str) -> Any:
     """Parse ``body`` as ``model``, raising :class:`InvalidRequestError` naming ``what``."""
+    _screen(body, f"invalid {what}")
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
