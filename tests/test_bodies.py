@@ -238,7 +238,8 @@ def test_an_array_like_gets_a_hint():
         ({"x": True}, TypeError, "x must be an int, got bool"),
         ({"y": 5.0}, TypeError, "y must be an int, got float"),
         ({"patch_idx": "3"}, TypeError, "patch_idx must be an int, got str"),
-        ({"x": -1}, ValueError, "x must be >= 0, got -1"),
+        ({"x": -1}, ValueError, r"x must be in 0-9007199254740991 \(2\*\*53 - 1\), got -1"),
+        ({"y": 2**53}, ValueError, "y must be in 0-9007199254740991"),  # not an exact JSON int
         ({"slide_name": 3}, TypeError, "slide_name must be a str, got int"),
         ({"tissue_ratio": 1.5}, ValueError, r"tissue_ratio must be in \[0, 1\], got 1.5"),
         ({"tissue_ratio": float("nan")}, ValueError, "tissue_ratio must be in"),

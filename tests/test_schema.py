@@ -17,6 +17,7 @@ from histoinfer import ModelMetadata, ModelRequest, ModelResponse
 from histoinfer.errors import InvalidRequestError
 from histoinfer.schema import (
     MAX_BULK_RNA,
+    MAX_INT,
     NAMED_PROBLEMS,
     InvocationEnvelope,
     InvocationRequest,
@@ -235,6 +236,15 @@ def test_a_long_body_of_more_values_than_a_request_holds_is_refused_unparsed(
         f"fields and at most {MAX_BULK_RNA:,} bulk_rna values (a list or an object this long "
         "is not a request)"
     )
+
+
+@pytest.mark.parametrize("field", ["x", "y", "patch_idx", "width"])
+def test_integers_past_json_exact_range_are_refused(field: str) -> None:
+    """10**30 was accepted and echoed: past int64 for numpy and AnnData, and not an exact
+    number for a JavaScript client or a float64 column."""
+    assert getattr(parse_request(body(**{field: MAX_INT})), field) == MAX_INT
+    with pytest.raises(InvalidRequestError, match=f"field '{field}': Input should be less than"):
+        parse_request(body(**{field: MAX_INT + 1}))
 
 
 def test_an_invocation_envelope_is_screened_too() -> None:

@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from .schema import MAX_INT
+
 __all__ = ["tile_body"]
 
 #: zlib level of the PNG: on 224-px H&E-like tiles level 1 is within ~5-15% of the default
@@ -175,9 +177,10 @@ def _background(colour: Sequence[int]) -> np.ndarray:
 def _non_negative_int(name: str, value: Any) -> int:
     if not isinstance(value, numbers.Integral) or isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-    return int(value)
+    number = int(value)
+    if not 0 <= number <= MAX_INT:
+        raise ValueError(f"{name} must be in 0-{MAX_INT} (2**53 - 1), got {number}")
+    return number
 
 
 def _float(name: str, value: Any) -> float:

@@ -24,6 +24,7 @@ from .errors import InvalidRequestError
 
 __all__ = [
     "MAX_BULK_RNA",
+    "MAX_INT",
     "MODES",
     "BatchingSettings",
     "InvocationEnvelope",
@@ -46,8 +47,11 @@ INVOCATION_MODES: dict[str, Mode] = {
     "prediction_with_embedding": "predict_with_embedding",
 }
 
-NonNegativeInt = Annotated[int, Field(ge=0)]
-PositiveInt = Annotated[int, Field(gt=0)]
+#: the largest integer field: JSON's exact integers (a JavaScript client's, a float64 column),
+#: and within int64, as coordinates and indices end up in numpy and AnnData
+MAX_INT = 2**53 - 1
+NonNegativeInt = Annotated[int, Field(ge=0, le=MAX_INT)]
+PositiveInt = Annotated[int, Field(gt=0, le=MAX_INT)]
 
 _STRICT = ConfigDict(extra="forbid", strict=True, frozen=True)
 
