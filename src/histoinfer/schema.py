@@ -294,12 +294,13 @@ _SCREENED_FROM = 1 << 20
 _OTHER_COMMAS = 64
 
 
-def _screen(body: str | bytes, what: str) -> None:
+def _screen(body: str | bytes, what: str = "request", position: int | None = None) -> None:
     """A long body with more commas than a request's values, refused before pydantic parses
     it: a JSON value takes ~20 times its text there (a 30 MB list of numbers, 650 MB), more
     again as the errors that name it, on every thread that decodes. A request's only list is
     ``bulk_rna``, so a valid one has no more than its length and a few more; base64 has none.
-    Counted at ~0.1 ms a MB: a long body is a large image, whose decoding costs far more."""
+    Counted at ~0.1 ms a MB of bytes (~0.5 of str): a long body is a large image, whose
+    decoding costs far more."""
     if len(body) < _SCREENED_FROM:
         return
     if isinstance(body, str):
@@ -308,8 +309,9 @@ def _screen(body: str | bytes, what: str) -> None:
         commas = int(np.count_nonzero(np.frombuffer(body, np.uint8) == ord(",")))
     if commas > MAX_BULK_RNA + _OTHER_COMMAS:
         raise InvalidRequestError(
-            f"{what}: body has {commas:,} commas: a request has its fields and at most "
-            f"{MAX_BULK_RNA:,} bulk_rna values (a list or an object this long is not a request)"
+            f"invalid {what}{locate(position)}: body has {commas:,} commas: a request has its "
+            f"fields and at most {MAX_BULK_RNA:,} bulk_rna values (a list or an object this long "
+            "is not a request)"
         )
 
 
@@ -317,17 +319,17 @@ def parse_request(body: str | bytes, position: int | None = None) -> ModelReques
     """Parse one request body, raising :class:`InvalidRequestError` that names what was wrong."""
     if not isinstance(body, (str, bytes, bytearray)):
         raise not_a_json_string(body, position)
-    what = f"invalid request{locate(position)}"
-    _screen(body, what)
+    _screen(body, position=position)
     try:
         return ModelRequest.model_validate_json(body)
     except ValidationError as exc:
+        what = f"invalid request{locate(position)}"
         raise InvalidRequestError(_invalid(ModelRequest, body, exc, what)) from None
 
 
 def parse_model(model: type[BaseModel], body: str | bytes, what: str) -> Any:
     """Parse ``body`` as ``model``, raising :class:`InvalidRequestError` naming ``what``."""
-    _screen(body, f"invalid {what}")
+    _screen(body, what)
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
