@@ -177,6 +177,18 @@ async def test_a_batch_of_more_requests_than_the_limit_is_413_and_computes_nothi
         assert_problem(await http.post("/api/predict/h1/batch", json=[1] * 10), 413)
 
 
+async def test_a_long_body_of_too_many_values_is_refused_as_in_process(tiny_model):
+    """Counted, not parsed (pydantic took ~20 times such a body), over HTTP as in-process."""
+    client = fresh_client(tiny_model)
+    body = json.dumps({**json.loads(make_body(1)), "bulk_rna": [0] * 300_000})
+    with pytest.raises(InvalidRequestError) as in_process:
+        await client.predict_async(body)
+    async with serving(create_app(client)) as http:
+        p = assert_problem(await http.post("/api/predict/h1", content=body), 422)
+        assert p["detail"] == str(in_process.value)
+        assert f"body has {body.count(','):,} commas" in p["detail"]
+
+
 async def test_max_batch_requests_must_be_a_count(tiny_model):
     for bad in (0, -1):
         with pytest.raises(ValueError, match="max_batch_requests must be at least 1"):
