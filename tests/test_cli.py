@@ -341,6 +341,14 @@ def test_serve_refuses_a_model_name_that_is_not_a_route(
     assert "without '/'" in capsys.readouterr().err
 
 
+def test_serve_refuses_the_model_name_metrics_gives_unserved_paths(
+    tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Served as "unknown", its requests and those naming no served model were one series."""
+    assert main(["serve", "--model", "unknown=h1", "--checkpoint", str(tiny_checkpoint)]) == 1
+    assert "serve it as NAME=h1" in capsys.readouterr().err
+
+
 def test_serve_refuses_an_unknown_registry_key_before_binding(
     tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

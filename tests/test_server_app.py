@@ -189,6 +189,11 @@ async def test_a_long_body_of_too_many_values_is_refused_as_in_process(tiny_mode
         assert f"body has {body.count(','):,} commas" in p["detail"]
 
 
+async def test_a_model_cannot_be_served_as_the_label_of_unserved_paths(tiny_model):
+    with pytest.raises(ValueError, match="cannot be served as 'unknown'"):
+        create_app({"unknown": fresh_client(tiny_model)})
+
+
 async def test_max_batch_requests_must_be_a_count(tiny_model):
     for bad in (0, -1):
         with pytest.raises(ValueError, match="max_batch_requests must be at least 1"):

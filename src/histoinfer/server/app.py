@@ -58,7 +58,7 @@ from ..schema import (
     ModelResponse,
     parse_model,
 )
-from .metrics import HttpCounters, StatsCollector, render_metrics
+from .metrics import UNKNOWN, HttpCounters, StatsCollector, render_metrics
 from .problems import (
     PROBLEM_JSON,
     ModelNotReadyError,
@@ -187,6 +187,11 @@ class ServerState:
     ) -> None:
         if not models:
             raise ValueError("create_app needs at least one model")
+        if UNKNOWN in models:  # its requests and a missing model's would be one series
+            raise ValueError(
+                f"a model cannot be served as {UNKNOWN!r}: /metrics gives that model label to "
+                "paths naming no model served here; serve it under another name"
+            )
         if body_timeout is not None and not body_timeout > 0:  # 0 would spin the watchdog
             raise ValueError(f"body_timeout must be more than 0 s, or None, got {body_timeout!r}")
         self.models = {name: ServedModel(name, source) for name, source in models.items()}

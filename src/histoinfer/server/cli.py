@@ -34,6 +34,7 @@ from ..models.assets import ASSETS_FILE
 from ..models.base import assets_folder
 from ..models.registry import UnknownModelError, model_class
 from .app import ClientSource, ServerState, create_app
+from .metrics import UNKNOWN
 
 __all__ = ["configure", "run"]
 
@@ -219,6 +220,11 @@ def model_sources(args: argparse.Namespace) -> dict[str, ClientSource]:
             raise CommandError(f"model name {name!r} must be non-empty, without '/' (a route)")
         if name in sources:
             raise CommandError(f"model name {name!r} given twice; use NAME=KEY to rename one")
+        if name == UNKNOWN:
+            raise CommandError(
+                f"model name {name!r} is /metrics' label for paths naming no model served "
+                f"here; serve it as NAME={key}"
+            )
         if not checkpoint.is_file():
             raise CommandError(f"checkpoint {checkpoint} for model {name!r} is not a file")
         try:
