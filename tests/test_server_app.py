@@ -25,6 +25,7 @@ from histoinfer.errors import InvalidRequestError
 from histoinfer.models.h1 import H1ServerModel
 from histoinfer.schema import Mode, ModelRequest, ModelResponse
 from histoinfer.server import ServerState, create_app
+from histoinfer.server import app as app_module
 from histoinfer.server.problems import LogThrottle
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
@@ -192,6 +193,26 @@ async def test_a_long_body_of_too_many_values_is_refused_as_in_process(tiny_mode
 async def test_a_model_cannot_be_served_as_the_label_of_unserved_paths(tiny_model):
     with pytest.raises(ValueError, match="cannot be served as 'unknown'"):
         create_app({"unknown": fresh_client(tiny_model)})
+
+
+async def test_a_batch_body_is_parsed_off_the_event_loop(tiny_model, monkeypatch):
+    """Parsing a 60 MB batch and writing its bodies back to JSON held the loop, every other
+    request, for 50-240 ms: it runs on the batch's worker thread."""
+    parsed_on: list[int] = []
+    real = app_module._batch_bodies
+
+    def recording(*args: Any) -> Any:
+        parsed_on.append(threading.get_ident())
+        return real(*args)
+
+    monkeypatch.setattr(app_module, "_batch_bodies", recording)
+    async with serving(create_app(fresh_client(tiny_model))) as http:
+        bodies = [json.loads(make_body(i)) for i in range(2)]
+        r = await http.post("/api/embed/h1/batch", json=bodies)
+        assert r.status_code == 200 and len(r.json()) == 2
+        assert_problem(await http.post("/api/embed/h1/batch", content=b"[1,"), 422)
+    assert len(parsed_on) == 2
+    assert threading.get_ident() not in parsed_on
 
 
 async def test_max_batch_requests_must_be_a_count(tiny_model):
