@@ -194,9 +194,9 @@ class ServerState:
             )
         if body_timeout is not None and not body_timeout > 0:  # 0 would spin the watchdog
             raise ValueError(f"body_timeout must be more than 0 s, or None, got {body_timeout!r}")
-        self.models = {name: ServedModel(name, source) for name, source in models.items()}
         if max_batch_requests is not None and not max_batch_requests >= 1:
             raise ValueError(f"max_batch_requests must be at least 1, got {max_batch_requests!r}")
+        self.models = {name: ServedModel(name, source) for name, source in models.items()}
         self.max_body_bytes = max_body_bytes
         self.max_batch_requests = max_batch_requests
         self.body_timeout = body_timeout
