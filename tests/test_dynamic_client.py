@@ -711,3 +711,61 @@ async def test_a_call_waiting_for_a_busy_device_meets_its_deadline_and_its_cance
             assert outputs_close(await call(client, 3), expected(tiny_model, [3])[0])
         assert watch.calls == 1  # only the last call reached the model
         assert client.stats()["predict"].error_kinds == {"deadline": 1}
+
+
+class _RecordingLock:
+    """A ``device_lock`` that counts the passes that took it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.entered = 0
+
+    def __enter__(self) -> None:
+        self.lock.acquire()
+        self.entered += 1
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.lock.release()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "batch-size-1"])
+async def test_device_lock_is_held_by_every_forward_pass_and_only_by_them(
+    tiny_model: ServerModel, dynamic: bool
+) -> None:
+    """SPEC §2.2's "device lock": every pass of the client (async calls, ``*_batch``) takes
+    it, so the caller's own work on the device under the same lock never overlaps one."""
+    lock = _RecordingLock()
+    with InProcessClient(
+        tiny_model, dynamic_batching=dynamic, max_batch_size=4, device_lock=lock
+    ) as client:
+        with anyio.fail_after(60):
+            indices = list(range(6))
+            async with anyio.create_task_group() as tg:
+                answers: dict[int, str] = {}
+
+                async def one(i: int) -> None:
+                    answers[i] = await call(client, i)
+
+                for i in indices:
+                    tg.start_soon(one, i)
+            assert all(
+                outputs_close(answers[i], e)
+                for i, e in zip(indices, expected(tiny_model, indices), strict=True)
+            )
+            async_passes = sum(s.batches for s in client.stats().values())
+            assert lock.entered == async_passes > 0
+            await anyio.to_thread.run_sync(client.predict_batch, [body(0)] * 9)  # 3 chunks
+            assert lock.entered == async_passes + 3
+            # The caller's own work holds the lock: the call's pass waits for it.
+            lock.lock.acquire()
+            released_at = time.perf_counter() + 0.3
+            threading.Timer(0.3, lock.lock.release).start()
+            answer = await client.predict_async(body(0))
+            assert time.perf_counter() >= released_at - 0.01
+            assert outputs_close(answer, expected(tiny_model, [0])[0])
+
+
+def test_device_lock_must_be_a_context_manager(tiny_model: ServerModel) -> None:
+    with pytest.raises(TypeError, match=r"device_lock must be a lock .* got int"):
+        InProcessClient(tiny_model, device_lock=42)  # type: ignore[arg-type]

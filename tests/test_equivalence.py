@@ -15,8 +15,10 @@ from typing import Any
 
 import anyio
 import httpx
+import numpy as np
 import pytest
 from helpers import make_body, outputs_close, request_dict, tile_bytes
+from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 from test_server_support import FlakyModel, serve, white_body
 
@@ -197,6 +199,21 @@ def test_bad_input_in_batches(pair):
         expected = outcome(partial(local.predict_batch, bodies))
         assert expected[0] == "error"
         assert_same(expected, outcome(partial(remote.predict_batch, bodies)))
+    # What JSON cannot carry (tiles passed where bodies go, a tuple): every bad position is
+    # named, in the same words (HttpClient used to refuse these itself, naming only the first).
+    foreign = [
+        good[0],
+        np.zeros((4, 4, 3), np.uint8),
+        Image.new("RGB", (4, 4)),
+        good[1],
+        ("a", "tuple"),
+        np.int64(3),
+        BAD["not a string"],
+    ]
+    expected = outcome(partial(local.predict_batch, foreign))
+    assert expected[0] == "error" and "positions 1-2, 4-6" in expected[2], expected
+    assert "got ndarray: make one with histoinfer.tile_body(" in expected[2]
+    assert_same(expected, outcome(partial(remote.predict_batch, foreign)))
     for not_a_list in (tuple(good), good[0], None):
         assert_same(
             outcome(partial(local.embed_batch, not_a_list)),

@@ -65,6 +65,7 @@ def test_problem_type_maps_back_to_the_same_class(cls: type[InferenceError]) -> 
         (404, InvalidRequestError),
         (408, InvalidRequestError),
         (413, InvalidRequestError),
+        (415, InvalidRequestError),
         (422, InvalidRequestError),
         (503, OverloadedError),
         (500, InferenceError),

@@ -513,6 +513,50 @@ async def test_aclose_lets_the_calls_in_flight_finish(counting_server):
 
 
 @pytest.mark.anyio
+async def test_close_on_a_running_loop_lets_every_call_in_flight_finish(counting_server):
+    """A notebook cell's ``with client:``: close() cannot wait on the loop whose calls it
+    would wait for. It returns at once, as InProcessClient's does, and the calls in flight, on
+    this loop and on other threads, finish; the pools close after the last one. (Before, it
+    closed the pools under them: each failed with ClientClosedError.)"""
+    server, app = counting_server
+    with answering_after(app, 0.3):
+        client = HttpClient(server.base_url, retries=0)
+        results: list[object] = []
+
+        def sync_call() -> None:
+            try:
+                results.append(client.predict(make_body(0)))
+            except Exception as exc:  # recorded, to be asserted on
+                results.append(exc)
+
+        async def async_call() -> None:
+            try:
+                results.append(await client.predict_async(make_body(0)))
+            except Exception as exc:
+                results.append(exc)
+
+        threads = [threading.Thread(target=sync_call) for _ in range(2)]
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                for t in threads:
+                    t.start()
+                for _ in range(2):
+                    tg.start_soon(async_call)
+                while app.now < 4:
+                    await anyio.sleep(0.01)
+                started = time.monotonic()
+                client.close()  # on this loop's thread
+                assert time.monotonic() - started < 0.2  # did not wait (the calls take 0.3 s)
+                assert client.closed
+                with pytest.raises(ClientClosedError):
+                    await client.predict_async(make_body(0))
+            for t in threads:
+                await anyio.to_thread.run_sync(t.join, 10)
+        assert results == ['{"ok": true}'] * 4
+        assert client._released and client._sync is None and not client._pools
+
+
+@pytest.mark.anyio
 async def test_aclose_can_be_cancelled_while_it_waits(counting_server):
     server, app = counting_server
     with answering_after(app, 1.0):
@@ -527,6 +571,8 @@ async def test_aclose_can_be_cancelled_while_it_waits(counting_server):
                     await client.aclose()
                 assert time.monotonic() - started < 0.5  # not the 1 s the call still takes
                 assert client.closed
+                assert not client._released  # the call in flight keeps its pool
+        assert client._released  # and the pools closed after it
 
 
 async def run_concurrently(call: Any, n: int) -> None:
@@ -818,19 +864,29 @@ def test_a_batch_answer_that_is_not_a_list_of_responses_is_an_inference_error():
 
 
 def test_a_tile_sent_as_a_body_points_to_tile_body():
-    """A numpy or PIL tile where the JSON string goes: refused before sending, with the
-    in-process client's words (schema.not_a_json_string)."""
-    transport = httpx.MockTransport(lambda r: pytest.fail("nothing may be sent"))
-    with HttpClient("http://h", transport=transport, retries=0) as client:
-        for tile, kind in (
-            (np.zeros((4, 4, 3), np.uint8), "ndarray"),
-            (Image.new("L", (4, 4)), "Image"),
+    """A numpy or PIL tile where the JSON string goes: a single call is refused before
+    sending, with the in-process client's words (schema.not_a_json_string); in a batch it
+    travels as its type's name, for the server to refuse with the batch's other bad positions
+    (test_equivalence.py, test_bad_input_in_batches)."""
+    sent: list[object] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content))
+        return httpx.Response(422, json={"type": "x", "detail": "refused"})
+
+    with HttpClient("http://h", transport=httpx.MockTransport(answer), retries=0) as client:
+        for tile, kind, type_name in (
+            (np.zeros((4, 4, 3), np.uint8), "ndarray", "ndarray"),
+            (Image.new("L", (4, 4)), "Image", "Image"),
         ):
-            for call in (client.predict, lambda t: client.predict_batch([make_body(0), t])):
-                with pytest.raises(
-                    InvalidRequestError, match=rf"got {kind}: make one with histoinfer.tile_body\("
-                ):
-                    call(tile)
+            with pytest.raises(
+                InvalidRequestError, match=rf"got {kind}: make one with histoinfer.tile_body\("
+            ):
+                client.predict(tile)
+            assert not sent
+            with pytest.raises(InvalidRequestError):
+                client.predict_batch([make_body(0), tile])
+            assert sent.pop()[1] == {"$type": type_name, "kind": "image"}
 
 
 def test_a_batch_answered_as_a_json_list_gives_each_response_verbatim():

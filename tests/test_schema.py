@@ -268,6 +268,38 @@ def test_bulk_rna_longer_than_a_transcriptome_is_refused_naming_the_field() -> N
         parse_request(body(bulk_rna=[0.5] * (MAX_BULK_RNA + 1)))
 
 
+def test_a_request_built_in_python_takes_numpy_numbers() -> None:
+    """Tile coordinates come out of numpy arrays: ``ModelRequest(x=np.int64(3), ...)`` is the
+    request with ``x=3`` (it was refused: strict mode took only Python ints), while what strict
+    parsing refuses stays refused: a bool, a float where an int goes, a value out of range."""
+    fields = {k: v for k, v in SMALL.items() if k not in ("x", "y", "patch_idx", "tissue_ratio")}
+    plain = ModelRequest(**fields, x=3, y=4, patch_idx=5, tissue_ratio=0.5, bulk_rna=[1.5, 2.0])
+    from_numpy = ModelRequest(
+        **fields,
+        x=np.int64(3),
+        y=np.uint16(4),
+        patch_idx=np.int32(5),
+        tissue_ratio=np.float32(0.5),
+        bulk_rna=np.array([1.5, 2.0], np.float32),
+    )
+    assert from_numpy == plain
+    assert type(from_numpy.x) is int and type(from_numpy.tissue_ratio) is float
+    assert from_numpy.model_dump_json() == plain.model_dump_json()
+    listed = ModelRequest(**fields, x=3, y=4, patch_idx=5, bulk_rna=[np.float64(1.5), 2.0])
+    assert listed.bulk_rna == [1.5, 2.0]
+    refused: list[dict[str, Any]] = [
+        {"x": np.bool_(True)},
+        {"x": np.float64(3.0)},
+        {"x": np.int64(-1)},
+        {"tissue_ratio": np.float32(1.5)},
+        {"bulk_rna": np.zeros((2, 2))},
+        {"bulk_rna": [np.bool_(True)]},
+    ]
+    for bad in refused:
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            ModelRequest(**{**fields, "x": 3, "y": 4, "patch_idx": 5, **bad})
+
+
 def test_metadata_round_trips(tiny_model: Any) -> None:
     metadata = tiny_model.metadata()
     assert isinstance(metadata, ModelMetadata)

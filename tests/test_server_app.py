@@ -10,6 +10,7 @@ import gzip
 import json
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -213,6 +214,42 @@ async def test_a_batch_body_is_parsed_off_the_event_loop(tiny_model, monkeypatch
         assert_problem(await http.post("/api/embed/h1/batch", content=b"[1,"), 422)
     assert len(parsed_on) == 2
     assert threading.get_ident() not in parsed_on
+
+
+async def test_batch_bodies_are_parsed_one_at_a_time(tiny_model, monkeypatch):
+    """A parse holds the GIL, and can briefly take ~16x its body: several batches arriving
+    at once are parsed one after another, not one per worker thread at once."""
+    inside = 0
+    most = 0
+    guard = threading.Lock()
+    real = app_module._batch_bodies
+
+    def slow(*args: Any) -> Any:
+        nonlocal inside, most
+        with guard:
+            inside += 1
+            most = max(most, inside)
+        time.sleep(0.05)  # long enough for the others' threads to arrive meanwhile
+        try:
+            return real(*args)
+        finally:
+            with guard:
+                inside -= 1
+
+    monkeypatch.setattr(app_module, "_batch_bodies", slow)
+    async with serving(create_app(fresh_client(tiny_model))) as http:
+        bodies = [json.loads(make_body(i)) for i in range(2)]
+        answers: list[int] = []
+
+        async def post() -> None:
+            answers.append((await http.post("/api/embed/h1/batch", json=bodies)).status_code)
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                for _ in range(4):
+                    tg.start_soon(post)
+    assert answers == [200] * 4
+    assert most == 1
 
 
 async def test_max_batch_requests_must_be_a_count(tiny_model):

@@ -129,6 +129,7 @@ def error_for_problem_type(problem_type: str | None, status: int) -> type[Infere
         404: InvalidRequestError,
         408: InvalidRequestError,  # the body stalled (the server's --body-timeout)
         413: InvalidRequestError,
+        415: InvalidRequestError,  # a compressed body (Content-Encoding): the caller's to change
         422: InvalidRequestError,
         429: OverloadedError,  # a gateway's or rate limiter's Too Many Requests: back off
         503: OverloadedError,

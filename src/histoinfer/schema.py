@@ -14,19 +14,23 @@ from typing import Annotated, Any, Literal
 import numpy as np
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
 )
 from pydantic_core import from_json
 
 from .errors import InvalidRequestError
 
 __all__ = [
+    "FOREIGN_KEY",
     "MAX_BULK_RNA",
     "MAX_INT",
     "MODES",
     "BatchingSettings",
+    "ForeignBody",
     "InvocationEnvelope",
     "InvocationMode",
     "InvocationRequest",
@@ -47,11 +51,39 @@ INVOCATION_MODES: dict[str, Mode] = {
     "prediction_with_embedding": "predict_with_embedding",
 }
 
+
+def _from_numpy(value: object) -> object:
+    """A numpy scalar as the Python number it holds, for a request built in Python: tile
+    coordinates usually come out of numpy arrays (``tile_body`` takes them too). Nothing else
+    is loosened: JSON holds no numpy scalars, and a ``numpy.bool_`` is still no integer, nor
+    ``3.0`` an ``x``."""
+    if isinstance(value, np.generic) and not isinstance(value, np.bool_):
+        return value.item()
+    return value
+
+
+def _list_from_numpy(value: object, info: ValidationInfo) -> object:
+    """``bulk_rna`` built in Python from numpy (an expression matrix's row, or its values): a
+    1-D array, or a list of numpy scalars, as a list of Python numbers. Parsed JSON is passed
+    as it is, with no look at each of its values."""
+    if info.mode == "json":
+        return value
+    if isinstance(value, np.ndarray) and value.ndim == 1:
+        return value.tolist()
+    if isinstance(value, list):  # a numpy.bool_ too, which a float would otherwise take
+        return [item.item() if isinstance(item, np.generic) else item for item in value]
+    return value
+
+
+_NUMPY_SCALAR = BeforeValidator(_from_numpy)
+
 #: the largest integer field: JSON's exact integers (a JavaScript client's, a float64 column),
 #: and within int64, as coordinates and indices end up in numpy and AnnData
 MAX_INT = 2**53 - 1
-NonNegativeInt = Annotated[int, Field(ge=0, le=MAX_INT)]
-PositiveInt = Annotated[int, Field(gt=0, le=MAX_INT)]
+# The numpy step last: placed before Field, it would leave the bounds outside the int schema
+# (checked after it, in other words: a NaN ratio was "not >= 0", not "not finite").
+NonNegativeInt = Annotated[int, Field(ge=0, le=MAX_INT), _NUMPY_SCALAR]
+PositiveInt = Annotated[int, Field(gt=0, le=MAX_INT), _NUMPY_SCALAR]
 
 _STRICT = ConfigDict(extra="forbid", strict=True, frozen=True)
 
@@ -71,11 +103,16 @@ class ModelRequest(BaseModel):
     width: PositiveInt = Field(description="must equal the decoded image's width")
     height: PositiveInt = Field(description="must equal the decoded image's height")
     patch_idx: NonNegativeInt = Field(description="index of the tile in the extraction plan")
-    tissue_ratio: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = None
-    resolution: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = Field(
+    tissue_ratio: (
+        Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False), _NUMPY_SCALAR] | None
+    ) = None
+    resolution: Annotated[float, Field(gt=0.0, allow_inf_nan=False), _NUMPY_SCALAR] | None = Field(
         default=None, description="µm/px of the tile"
     )
-    bulk_rna: list[Annotated[float, Field(allow_inf_nan=False)]] | None = Field(
+    bulk_rna: Annotated[
+        list[Annotated[float, Field(allow_inf_nan=False)]] | None,
+        BeforeValidator(_list_from_numpy),
+    ] = Field(
         default=None,
         max_length=MAX_BULK_RNA,
         description="only for models that take it; otherwise rejected",
@@ -271,18 +308,58 @@ def locate(position: int | None) -> str:
     return "" if position is None else f" at batch position {position}"
 
 
+#: A ``/batch`` element ``{FOREIGN_KEY: type name, "kind": ...}`` stands for what a caller
+#: passed where a body goes that JSON cannot carry (a numpy tile, a tuple): ``HttpClient``
+#: sends it so that the server refuses it with the other bad positions, in the in-process words.
+FOREIGN_KEY = "$type"
+_HOW = {
+    "dict": ": json.dumps() it",
+    "image": ": make one with histoinfer.tile_body(tile, slide_name=, x=, y=, patch_idx=)",
+    "": "",
+}
+
+
+class ForeignBody:
+    """What a body that was not a str or bytes was, where the caller passed it: its type's
+    name and which hint suits it (``dict``, ``image`` or none)."""
+
+    __slots__ = ("kind", "type_name")
+
+    def __init__(self, type_name: str, kind: str) -> None:
+        self.type_name = type_name
+        self.kind = kind if kind in _HOW else ""
+
+    @classmethod
+    def of(cls, body: object) -> ForeignBody:
+        if isinstance(body, dict):
+            kind = "dict"
+        elif getattr(body, "ndim", 0) >= 2 or hasattr(body, "getpixel"):  # a numpy tile, PIL
+            kind = "image"
+        else:
+            kind = ""
+        return cls(type(body).__name__, kind)
+
+    def to_json(self) -> dict[str, str]:
+        return {FOREIGN_KEY: self.type_name, "kind": self.kind}
+
+    @classmethod
+    def from_json(cls, item: dict[str, object]) -> ForeignBody | None:
+        """The element as a ``ForeignBody``, or None if it is any other object."""
+        name, kind = item.get(FOREIGN_KEY), item.get("kind")
+        if len(item) != 2 or not isinstance(name, str) or not isinstance(kind, str):
+            return None
+        if not name.isidentifier() or len(name) > 100 or kind not in _HOW:
+            return None
+        return cls(name, kind)
+
+
 def not_a_json_string(body: object, position: int | None = None) -> InvalidRequestError:
     """The error for a body that is not a JSON string, with the way to make one from what
     was sent (the same words from every client)."""
-    if isinstance(body, dict):
-        how = ": json.dumps() it"
-    elif hasattr(body, "__array_interface__") or hasattr(body, "getpixel"):  # numpy, PIL
-        how = ": make one with histoinfer.tile_body(tile, slide_name=, x=, y=, patch_idx=)"
-    else:
-        how = ""
+    foreign = body if isinstance(body, ForeignBody) else ForeignBody.of(body)
     return InvalidRequestError(
         f"invalid request{locate(position)}: body must be a JSON string, "
-        f"got {type(body).__name__}{how}"
+        f"got {foreign.type_name}{_HOW[foreign.kind]}"
     )
 
 

@@ -1,1 +1,1 @@
-"""Client backends. ``inprocess`` needs torch; ``http`` needs only httpx (imported lazily)."""
+"""Client backends. ``inprocess`` needs torch; ``http`` only httpx (each imported lazily)."""

@@ -39,16 +39,9 @@ from urllib.parse import quote
 
 import anyio
 import anyio.lowlevel
+import httpx
 import pydantic_core
 import sniffio
-
-try:
-    import httpx
-except ImportError as exc:  # the one optional package HttpClient needs: say which extra has it
-    raise ImportError(
-        f"HttpClient needs httpx: the 'http' extra (pip install -e '.[http]' in a clone of "
-        f"histoinfer) ({exc})"
-    ) from exc
 
 from ..errors import (
     ClientClosedError,
@@ -58,7 +51,7 @@ from ..errors import (
     error_for_problem_type,
 )
 from ..protocol import documented_as_client
-from ..schema import Mode, not_a_json_string, parse_request
+from ..schema import ForeignBody, Mode, not_a_json_string, parse_request
 from .arguments import check_count, check_seconds
 from .lifecycle import CLIENT_CLOSED, ClosingContext, InFlight, running_loop_here
 
@@ -259,23 +252,27 @@ class HttpClient(ClosingContext):
         """Refuse new calls, let those in flight finish, then close every connection pool.
 
         Async pools are closed on their own loops (soon, if that loop is still running). On a
-        thread whose event loop is running, calls in flight there cannot finish while close()
-        waits: it does not wait, and calls in flight (on any thread) end with
-        :class:`ClientClosedError`; use ``await aclose()`` there.
+        thread whose event loop is running (a notebook cell), waiting would block the very
+        loop whose calls it waits for: close() returns at once, as ``InProcessClient``'s
+        does, the calls in flight (on any thread or loop) finish, and the pools close after
+        the last of them.
         """
+        if running_loop_here():
+            self._calls.close(then=self._release)
+            return
         self._calls.close()
-        if not running_loop_here():
-            self._calls.wait_idle()
-        sync, pools = self._shut()
-        for pool in pools:
-            pool.request_close()
-        _close_sync(sync)
+        self._calls.wait_idle()
+        self._release()
 
     async def aclose(self) -> None:
-        """:meth:`close` for async code; cancellable (the calls in flight then keep their pools
-        until their loops end)."""
+        """:meth:`close` for async code; cancellable (the pools then close after the last call
+        in flight)."""
         self._calls.close()
-        await self._calls.wait_idle_async()
+        try:
+            await self._calls.wait_idle_async()
+        except BaseException:
+            self._calls.close(then=self._release)
+            raise
         sync, pools = self._shut()
         here = _loop_key()
         for pool in pools:
@@ -417,6 +414,13 @@ class HttpClient(ClosingContext):
         pool.start_keeper()
         return pool
 
+    def _release(self) -> None:
+        """Close every connection pool: the sync one here, each loop's on its loop."""
+        sync, pools = self._shut()
+        for pool in pools:
+            pool.request_close()
+        _close_sync(sync)
+
     def _shut(self) -> tuple[_Shards[httpx.Client] | None, list[_LoopPool]]:
         with self._lock:
             self._released = True
@@ -510,7 +514,7 @@ class _Attempt:
         self.number = 0
 
     def failed(self, exc: httpx.HTTPError) -> float:
-        if self.client._released:  # its pool was closed under it (see HttpClient.close)
+        if self.client._released:  # its pool closed under it (not since session 23: defensive)
             raise ClientClosedError(CLIENT_CLOSED) from exc
         if not isinstance(exc, _RETRY_ERRORS) or self.number >= self.client.retries:
             tries = f" after {self.number + 1} attempts" if self.number else ""
@@ -697,7 +701,7 @@ def _json_object(body: object) -> TypeGuard[str]:
 def _encode_verbatim(bodies: list[object]) -> bytes:
     """The bodies as a JSON list, each string exactly as given (``BATCH_BODIES_JSON``)."""
     items: list[object] = []
-    for position, body in enumerate(bodies):
+    for body in bodies:
         if isinstance(body, str):
             items.append(body)
         elif isinstance(body, bytes | bytearray):
@@ -707,8 +711,8 @@ def _encode_verbatim(bodies: list[object]) -> bytes:
                 items.append({BYTES_KEY: base64.b64encode(body).decode("ascii")})
         elif type(body) in _PLACEHOLDERS:
             items.append(_PLACEHOLDERS[type(body)])
-        else:
-            raise not_a_json_string(body, position)
+        else:  # a tile, a tuple...: refused by the server with the other bad positions
+            items.append(ForeignBody.of(body).to_json())
     try:
         return json.dumps(items, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:  # some str body is not valid Unicode (STR_KEY)

@@ -41,6 +41,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -113,6 +114,7 @@ def _forward(
     mode: Mode,
     share: CoreShare | None = None,
     loaded: Callable[[], bool] | None = None,
+    lock: AbstractContextManager[Any] | None = None,
 ) -> list[SampleOutput]:
     """Run ``tiles`` as one batch and split it per sample; on the device's thread (one pass at
     a time).
@@ -121,7 +123,8 @@ def _forward(
     which leave the decoders their share of the cores by themselves (models/shards.py). Other
     passes with ``share`` (a CPU device): while ``loaded()`` says requests are on their way, the
     pass may run on fewer threads to leave cores to the decoders (clients/cores.py). Loaded passes
-    that ran sharded or left cores record their duration there.
+    that ran sharded or left cores record their duration there. ``lock`` (the client's
+    ``device_lock``) is held for the pass alone; the core share does not time its wait.
 
     A function of the model, not a method of the client: schedulers hold it for their loop's
     lifetime, and must not keep the client alive.
@@ -133,7 +136,8 @@ def _forward(
     elif workers == 1:
         threads -= share.cores_to_leave(all_threads)
     # Filling the batch too: a parallel copy wakes the OpenMP workers, which then spin a while.
-    with thread_count(threads if threads != all_threads else None):
+    held = nullcontext() if lock is None else lock
+    with held, thread_count(threads if threads != all_threads else None):
         started = time.perf_counter()
         # Planned for every thread, as above: a pass left on fewer threads must not be split
         # by a plan for those (5 torch threads less one left is 4, which shards).
@@ -184,6 +188,7 @@ def _forward_jobs(
     mode: Mode,
     share: CoreShare | None = None,
     loaded: Callable[[], bool] | None = None,
+    lock: AbstractContextManager[Any] | None = None,
 ) -> list[SampleOutput | InferenceError | _TooBigHere]:
     """The forward passes' batch function: decode the jobs that came as bodies (a bad one is
     refused alone, and so is one whose image is too big to decode here: its refusal is its
@@ -202,7 +207,7 @@ def _forward_jobs(
                 continue
             job.request, job.tile, job.body = *decoded, None
         tiles.append(job.tile)
-    outputs = iter(_forward(model, tiles, mode, share, loaded) if tiles else ())
+    outputs = iter(_forward(model, tiles, mode, share, loaded, lock) if tiles else ())
     return [refusals[i] if i in refusals else next(outputs) for i in range(len(jobs))]
 
 
@@ -264,6 +269,7 @@ def _check_settings(
     overload: object,
     batch_decode_threads: object,
     name: object,
+    device_lock: object = None,
 ) -> None:
     """An :class:`InProcessClient`'s settings, refused naming the argument: accepted, each
     would fail every call later."""
@@ -277,6 +283,13 @@ def _check_settings(
     check_flag("dynamic_batching", dynamic_batching)
     if name is not None and (not isinstance(name, str) or not name):
         raise ValueError(f"name must be a non-empty string, got {name!r}")
+    if device_lock is not None and not (
+        hasattr(device_lock, "__enter__") and hasattr(device_lock, "__exit__")
+    ):
+        raise TypeError(
+            "device_lock must be a lock (threading.Lock()) or another context manager, got "
+            f"{type(device_lock).__name__}"
+        )
 
 
 def _never_cancelled() -> None:
@@ -398,6 +411,7 @@ class _LoopState:
                     mode=mode,
                     share=client._cores,
                     loaded=self.loaded,
+                    lock=client.device_lock,
                 ),
                 max_batch_size=client.max_batch_size,
                 max_wait_ms=client.max_wait_ms,
@@ -496,6 +510,7 @@ class InProcessClient(ClosingContext):
         overload: Overload = "wait",
         batch_decode_threads: int = 1,
         name: str | None = None,
+        device_lock: AbstractContextManager[Any] | None = None,
     ) -> None:
         _check_settings(
             max_batch_size=max_batch_size,
@@ -507,6 +522,7 @@ class InProcessClient(ClosingContext):
             overload=overload,
             batch_decode_threads=batch_decode_threads,
             name=name,
+            device_lock=device_lock,
         )
         if not isinstance(server_model, ServerModel):
             hint = (
@@ -526,6 +542,9 @@ class InProcessClient(ClosingContext):
         self.prepare_threads = prepare_threads or _default_prepare_threads(server_model)
         self.request_timeout = request_timeout
         self.batch_decode_threads = batch_decode_threads
+        #: held by every forward pass of this client (SPEC §2.2's "device lock"): a lock the
+        #: caller's own work on the device takes too, so that the two never overlap
+        self.device_lock = device_lock
         self._batch_decoder: ThreadPoolExecutor | None = None
         self._wait_for_room = _waits(overload)
         self._model_name = name or server_model.metadata().name
@@ -785,7 +804,14 @@ class InProcessClient(ClosingContext):
         loaded = partial(_decoding, limiter)
         self._check_not_expired(mode, _remaining(start_by))
         future = self._device_thread.submit(
-            _timed, _forward_jobs, self.server_model, [job], mode, self._cores, loaded
+            _timed,
+            _forward_jobs,
+            self.server_model,
+            [job],
+            mode,
+            self._cores,
+            loaded,
+            self.device_lock,
         )
         try:
             [result], ran_s = await wait_future(future, start_by=start_by)
@@ -960,7 +986,11 @@ class InProcessClient(ClosingContext):
         stats = self._stats[mode]
         try:
             outputs, ran_s = self._device_thread.call(
-                _timed, _forward, self.server_model, [tile for _, tile in chunk], mode
+                _timed,
+                partial(_forward, lock=self.device_lock),
+                self.server_model,
+                [tile for _, tile in chunk],
+                mode,
             )
         except Exception as exc:
             if len(chunk) == 1:

@@ -44,6 +44,7 @@ class InFlight:
         self._idle = threading.Condition()
         self._active = 0
         self._when_done = when_done
+        self._then: list[Callable[[], None]] = []
         self.closed = False
 
     @property
@@ -76,17 +77,24 @@ class InFlight:
         if done:
             self._done()
 
-    def close(self) -> None:
-        """Refuse new calls."""
+    def close(self, then: Callable[[], None] | None = None) -> None:
+        """Refuse new calls; ``then`` runs once no call is in flight (here, if none is now;
+        else on the thread of the call that ends last), after ``when_done``."""
         with self._idle:
             self.closed = True
+            if then is not None:
+                self._then.append(then)
             done = self._active == 0
         if done:
             self._done()
 
     def _done(self) -> None:
+        with self._idle:  # each runs once, even when close() and a last exit() race
+            then, self._then = self._then, []
         if self._when_done is not None:
             self._when_done()
+        for step in then:
+            step()
 
     def wait_idle(self) -> None:
         """Until no call is in flight. Said in the log every :data:`_WAIT_WARNING_S` seconds

@@ -16,6 +16,7 @@ import asyncio
 import base64
 import io
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
@@ -47,8 +48,10 @@ from ..errors import (
 from ..models.base import ServerModel
 from ..models.device_thread import device_thread
 from ..schema import (
+    FOREIGN_KEY,
     INVOCATION_MODES,
     MODES,
+    ForeignBody,
     InvocationEnvelope,
     InvocationMode,
     InvocationRequest,
@@ -199,6 +202,10 @@ class ServerState:
         self.models = {name: ServedModel(name, source) for name, source in models.items()}
         self.max_body_bytes = max_body_bytes
         self.max_batch_requests = max_batch_requests
+        #: One ``/batch`` body's list is parsed at a time. Parsing holds the GIL, so two at
+        #: once are no faster, and each can briefly take ~16x its body (64 MiB of ``[{},...]``
+        #: ~1 GB): one at a time bounds that to one body's worth, not one per worker thread.
+        self.batch_parse_lock = threading.Lock()
         self.body_timeout = body_timeout
         self.retry_after = retry_after
         self.warmup = warmup
@@ -540,7 +547,10 @@ def _batch_bodies(raw: bytes, verbatim: bool, limit: int | None = None) -> Any:
 
 
 def _wrapped_body(item: dict[str, Any]) -> Any:
-    """A ``BYTES_KEY`` or ``STR_KEY`` object as the body it stands for; any other dict as is."""
+    """A ``BYTES_KEY`` or ``STR_KEY`` object as the body it stands for, a ``FOREIGN_KEY`` one
+    as the :class:`ForeignBody` it describes; any other dict as is."""
+    if FOREIGN_KEY in item:
+        return ForeignBody.from_json(item) or item
     if len(item) == 1:
         [(key, encoded)] = item.items()
         if key in (BYTES_KEY, STR_KEY) and isinstance(encoded, str):
@@ -819,7 +829,8 @@ def create_app(
             def run() -> list[str]:
                 # Parsed here, not on the event loop: a 60 MB batch's list and its bodies
                 # written back to JSON held the loop (every other request) for 50-240 ms.
-                bodies = _batch_bodies(raw, verbatim, state.max_batch_requests)
+                with state.batch_parse_lock:
+                    bodies = _batch_bodies(raw, verbatim, state.max_batch_requests)
                 # Cancelled (a hang-up, the graceful timeout), the batch stops at its next
                 # slice or pass: this thread checks its host task's cancellation between them.
                 check = anyio.from_thread.check_cancelled
