@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import sys
 from collections.abc import Iterator
@@ -15,6 +16,22 @@ sys.path.insert(0, str(Path(__file__).parent))
 from histoinfer.clients.inprocess import InProcessClient
 from histoinfer.models import ServerModel, build_server_model
 from histoinfer.models.h1 import export_reference_h1
+from histoinfer.models.script_cache import CACHE_ENV
+
+
+@pytest.fixture(scope="session", autouse=True)
+def script_cache_of_this_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """TorchScript translations cached for this session alone (models/script_cache.py): the
+    servers the tests start read them (~0.1 s a load, not ~4), and nothing is written to the
+    user's own cache. Set in the environment, so that child processes use it too."""
+    folder = tmp_path_factory.mktemp("scripted")
+    before = os.environ.get(CACHE_ENV)
+    os.environ[CACHE_ENV] = str(folder)
+    yield folder
+    if before is None:
+        del os.environ[CACHE_ENV]
+    else:
+        os.environ[CACHE_ENV] = before
 
 
 @pytest.fixture(params=["asyncio", "trio"])

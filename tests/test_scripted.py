@@ -14,6 +14,7 @@ from helpers import save_program
 from histoinfer.models import BatchOutput, ServerModel, base, build_server_model, shards
 from histoinfer.models.device_thread import device_thread
 from histoinfer.models.h1 import H1ServerModel
+from histoinfer.models.script_cache import CACHE_ENV
 from histoinfer.models.scripted import script_program, scripted_equal
 from histoinfer.schema import Mode
 
@@ -72,7 +73,7 @@ def test_scripted_passes_from_several_threads_at_once_answer_as_one_pass(
 
 
 def test_a_scripted_graph_that_answers_differently_is_not_used(
-    tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     def off_by_a_little(program: object) -> tuple[object, str]:
         def scripted(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,9 +83,11 @@ def test_a_scripted_graph_that_answers_differently_is_not_used(
         return scripted, "compiled"
 
     monkeypatch.setattr(base, "script_program", off_by_a_little)
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))  # not the session's: its entry is good
     model = build_server_model("h1", tiny_checkpoint)
     assert model.runner == ("fx GraphModule (the scripted graph's outputs differ on a batch of 2)")
     assert isinstance(model.checkpoint.program, torch.fx.GraphModule)
+    assert not list(tmp_path.iterdir())  # and is not kept for the next load
     out = model.forward_batch(tiles(3), "predict")  # and it serves, with the fx module
     assert out.predictions is not None and out.predictions.shape == (3, 307)
 

@@ -25,6 +25,7 @@ from ..errors import (
     UnsupportedModeError,
 )
 from ..schema import MODES, Mode, ModelMetadata, ModelRequest, ModelResponse
+from . import script_cache
 from .assets import ASSETS_FILE, ModelAssets, load_assets
 from .buffers import InputBuffer
 from .checkpoint import (
@@ -259,7 +260,8 @@ class ServerModel:
         # as a missing model.json beside it. Its kind is sniffed before the slow assets check.
         sniff_kind(checkpoint_path)
         assets = load_assets(assets_folder(checkpoint_path, assets_dir))
-        return cls(load_checkpoint(checkpoint_path, device), assets, device)
+        checkpoint = load_checkpoint(checkpoint_path, device, script_cache=cls.script_program)
+        return cls(checkpoint, assets, device)
 
     @property
     def shardable(self) -> bool:
@@ -507,7 +509,10 @@ class ServerModel:
         return result[0], result[1]
 
     def _script(self) -> str:
-        """Run the program's graph in TorchScript's interpreter if it answers exactly alike."""
+        """Run the program's graph in TorchScript's interpreter if it answers exactly alike;
+        kept for the next load (models/script_cache.py)."""
+        if self.checkpoint.scripted:  # read from the cache: checked when it was made
+            return "TorchScript interpreter"
         if self.checkpoint.kind != "torch.export":
             return "AOTInductor"
         if not self.script_program:
@@ -527,7 +532,8 @@ class ServerModel:
             with torch.inference_mode():
                 difference = scripted_equal(self.checkpoint.program, scripted, batches)
             if difference is None:
-                self.checkpoint = replace(self.checkpoint, program=scripted)
+                script_cache.save(self.checkpoint.sha256, scripted, self.checkpoint.input_dtype)
+                self.checkpoint = replace(self.checkpoint, program=scripted, scripted=True)
                 return "TorchScript interpreter"
             why = difference
         log.info("%s runs as an fx GraphModule: %s", self.checkpoint.path, why)

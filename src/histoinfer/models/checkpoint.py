@@ -57,6 +57,9 @@ class LoadedCheckpoint:
     #: ``torch.export`` program was traced with, or an AOTInductor package's recorded one;
     #: float32 when neither says (docs/checkpoints.md, "Reduced precision").
     input_dtype: torch.dtype = torch.float32
+    #: ``program`` is the checkpoint's TorchScript translation, already checked against the
+    #: exported program when it was made (models/scripted.py, models/script_cache.py)
+    scripted: bool = False
 
 
 def sniff_kind(path: Path) -> CheckpointKind:
@@ -275,12 +278,23 @@ def first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
-def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> LoadedCheckpoint:
-    """Load a ``.pt2`` file of either kind onto ``device``."""
+def load_checkpoint(
+    path: str | Path, device: str | torch.device = "cpu", *, script_cache: bool = False
+) -> LoadedCheckpoint:
+    """Load a ``.pt2`` file of either kind onto ``device``. With ``script_cache``, a
+    ``torch.export`` program bound for a CPU is read from its saved TorchScript translation
+    when there is one (models/script_cache.py: ~0.1 s instead of ~4)."""
     path = Path(path).expanduser()
     kind, members = _sniff(path)
     resolved = resolve_device(device, path)
     sha256 = verified_sha256(path, members)  # before anything in it is loaded
+    if script_cache and kind == "torch.export" and resolved.type == "cpu":
+        from . import script_cache as cache
+
+        cached = cache.load(sha256)
+        if cached is not None:
+            module, dtype = cached
+            return LoadedCheckpoint(path, kind, sha256, module, input_dtype=dtype, scripted=True)
     try:
         program = _load_program(path, kind, resolved)
     except Exception as exc:

@@ -1,0 +1,100 @@
+"""A CPU model's TorchScript translation, kept between processes: a load in ~0.1 s, not ~4.
+
+Loading a ``torch.export`` checkpoint costs ~4 s of CPU on the 2-core machines here (importing
+``torch._dynamo`` and deserializing the graph), in every process that loads it: a server, each
+path of the bench, every server a test starts. What a CPU model then runs is the program's
+TorchScript translation (models/scripted.py), kept only when it answers exactly as the exported
+program does. That translation is saved here once, and a later load on a CPU reads it instead
+of the ``.pt2`` (``torch.jit.load``: ~0.03 s for the tiny model).
+
+An entry is named by the checkpoint's sha256 (computed at every load, before anything in the
+file is used) and by the versions of torch and histoinfer that made it, so a changed file, or
+a new torch or histoinfer, never reads an old translation. The input dtype the exported program
+declares travels inside the entry. Entries are written atomically (a temporary file, then a
+rename), so processes loading the same checkpoint at once never read half a file; an entry
+that cannot be read is ignored and written again. The cache is an optimization only: any
+failure to read or write it is logged at DEBUG and the load goes on the slow way.
+
+Where: ``$HISTOINFER_SCRIPT_CACHE`` if set (``off`` turns it off), else ``scripted/`` in the
+user's cache directory (``~/.cache/histoinfer`` on Linux).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+__all__ = ["CACHE_ENV", "cache_dir", "load", "save"]
+
+log = logging.getLogger("histoinfer.models")
+
+#: a directory for the cache, or ``off``
+CACHE_ENV = "HISTOINFER_SCRIPT_CACHE"
+_META = "histoinfer.json"
+
+
+def cache_dir() -> Path | None:
+    """The cache's directory, or None when it is turned off."""
+    setting = os.environ.get(CACHE_ENV, "").strip()
+    if setting.lower() == "off":
+        return None
+    if setting:
+        return Path(setting).expanduser()
+    from platformdirs import user_cache_path
+
+    return user_cache_path("histoinfer") / "scripted"
+
+
+def _entry(sha256: str) -> Path | None:
+    from .. import __version__
+
+    folder = cache_dir()
+    if folder is None:
+        return None
+    return folder / f"{sha256}-torch{torch.__version__}-histoinfer{__version__}.pt"
+
+
+def load(sha256: str) -> tuple[torch.jit.ScriptModule, torch.dtype] | None:
+    """The translation saved for the checkpoint of ``sha256``, and its input dtype; or None."""
+    path = _entry(sha256)
+    if path is None or not path.is_file():
+        return None
+    try:
+        extra = {_META: ""}
+        module = torch.jit.load(  # type: ignore[no-untyped-call]
+            str(path), map_location="cpu", _extra_files=extra
+        )
+        meta = json.loads(extra[_META])
+        dtype = getattr(torch, meta["input_dtype"])
+        if meta["sha256"] != sha256 or not isinstance(dtype, torch.dtype):
+            raise ValueError("its record names another checkpoint or no dtype")
+    except Exception as exc:  # any damage: the slow way, and the entry is written again
+        log.debug("TorchScript cache entry %s not used: %r", path, exc)
+        return None
+    module.eval()
+    return module, dtype
+
+
+def save(sha256: str, module: torch.jit.ScriptModule, input_dtype: torch.dtype) -> None:
+    """Keep ``module`` for the next load of the checkpoint of ``sha256`` (best effort)."""
+    path = _entry(sha256)
+    if path is None:
+        return
+    meta = {"sha256": sha256, "input_dtype": str(input_dtype).removeprefix("torch.")}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
+        os.close(handle)
+        try:
+            torch.jit.save(module, temporary, _extra_files={_META: json.dumps(meta)})
+            os.replace(temporary, path)
+        finally:
+            if os.path.exists(temporary):
+                os.unlink(temporary)
+    except Exception as exc:  # a read-only home, a full disk: loads stay slow, nothing fails
+        log.debug("TorchScript cache entry %s not written: %r", path, exc)

@@ -1,0 +1,101 @@
+"""The TorchScript cache (models/script_cache.py): a second load reads the translation the
+first one checked and kept, answers exactly alike, and any trouble with the cache only makes a
+load slow again, never wrong or failed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import histoinfer
+from histoinfer.models import build_server_model
+from histoinfer.models.script_cache import CACHE_ENV
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def tiles(n: int) -> torch.Tensor:
+    seeded = torch.Generator().manual_seed(7)
+    return torch.randint(0, 256, (n, 3, 224, 224), generator=seeded, dtype=torch.uint8)
+
+
+def entries(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*.pt"))
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    folder = tmp_path / "scripted"
+    monkeypatch.setenv(CACHE_ENV, str(folder))
+    return folder
+
+
+def test_a_second_load_reads_the_kept_translation_and_answers_alike(
+    tiny_checkpoint: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = build_server_model("h1", tiny_checkpoint)
+    [entry] = entries(cache)
+    assert entry.name.startswith(first.checkpoint.sha256)
+    assert f"torch{torch.__version__}" in entry.name
+    assert f"histoinfer{histoinfer.__version__}" in entry.name
+
+    def no_export_load(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the .pt2 was deserialized again")
+
+    monkeypatch.setattr(torch.export, "load", no_export_load)
+    second = build_server_model("h1", tiny_checkpoint)
+    assert second.checkpoint.scripted and second.runner == "TorchScript interpreter"
+    assert second.checkpoint.input_dtype == first.checkpoint.input_dtype
+    assert second.metadata() == first.metadata()
+    batch = tiles(3)
+    mode = "predict_with_embedding"
+    a, b = first.forward_batch(batch, mode), second.forward_batch(batch, mode)
+    assert torch.equal(a.predictions, b.predictions)
+    assert torch.equal(a.embedding, b.embedding)
+
+
+def test_a_damaged_entry_is_ignored_and_written_again(tiny_checkpoint: Path, cache: Path) -> None:
+    build_server_model("h1", tiny_checkpoint)
+    [entry] = entries(cache)
+    entry.write_bytes(b"not a TorchScript archive")
+    model = build_server_model("h1", tiny_checkpoint)  # the slow way, and kept again
+    assert model.runner == "TorchScript interpreter"
+    assert entries(cache) == [entry] and entry.stat().st_size > 1000
+    assert build_server_model("h1", tiny_checkpoint).checkpoint.scripted
+
+
+def test_off_keeps_nothing(
+    tiny_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(CACHE_ENV, "off")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # where the default would be
+    model = build_server_model("h1", tiny_checkpoint)
+    assert model.runner == "TorchScript interpreter"
+    assert not list(tmp_path.rglob("*.pt"))
+
+
+def test_a_cache_that_cannot_be_written_is_no_error(
+    tiny_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    monkeypatch.setenv(CACHE_ENV, str(blocked))
+    model = build_server_model("h1", tiny_checkpoint)
+    assert model.runner == "TorchScript interpreter"
+    assert model.forward_batch(tiles(1), "embed").embedding is not None
+
+
+def test_a_model_that_is_not_scripted_neither_reads_nor_writes_it(
+    tiny_checkpoint: Path, cache: Path
+) -> None:
+    from histoinfer.models.h1 import H1ServerModel
+
+    class Unscripted(H1ServerModel):
+        script_program = False
+
+    build_server_model("h1", tiny_checkpoint)  # an entry exists
+    model = Unscripted.from_files(tiny_checkpoint)
+    assert isinstance(model.checkpoint.program, torch.fx.GraphModule)
+    assert model.runner == "fx GraphModule (script_program is False)"
