@@ -179,6 +179,38 @@ async def test_a_batch_of_more_requests_than_the_limit_is_413_and_computes_nothi
         assert_problem(await http.post("/api/predict/h1/batch", json=[1] * 10), 413)
 
 
+@pytest.mark.parametrize(
+    "junk", [b"{}", b"[]", b'""', b'{"a":""}'], ids=["objects", "arrays", "strings", "pairs"]
+)
+async def test_a_long_batch_of_more_than_its_requests_can_hold_is_413_unparsed(
+    tiny_model, monkeypatch, junk: bytes
+):
+    """64 MiB of ``[{},{},...]`` took 1.7 GB and 3 s of a GIL-holding parse before its 413:
+    a body over 1 MiB holding more objects, arrays or strings than ``max_batch_requests``
+    requests can is refused counted, not parsed. Valid batches over 1 MiB, inline or as JSON
+    strings, are not."""
+    parsed: list[int] = []
+    real = app_module.pydantic_core.from_json
+
+    def recording(data: Any, **kwargs: Any) -> Any:
+        parsed.append(len(data))
+        return real(data, **kwargs)
+
+    monkeypatch.setattr(app_module.pydantic_core, "from_json", recording)
+    app = create_app(fresh_client(tiny_model), max_batch_requests=16)
+    async with serving(app) as http:
+        raw = b"[" + b",".join([junk] * (2**20 // len(junk))) + b"]"
+        p = assert_problem(await http.post("/api/embed/h1/batch", content=raw), 413)
+        assert "--max-batch-requests" in p["detail"] and "at most 16 requests" in p["detail"]
+        assert not [n for n in parsed if n >= 2**20]  # refused before any parse
+        bodies = [make_body(i, slide_name='a "quoted" {slide} [name]') for i in range(8)]
+        assert sum(map(len, bodies)) > 2**20  # ~0.2 MB each
+        inline = [json.loads(body) for body in bodies]
+        for batch in (inline, bodies):  # objects, and JSON strings (their quotes escaped)
+            r = await http.post("/api/embed/h1/batch", json=batch)
+            assert r.status_code == 200 and len(r.json()) == 8, r.text
+
+
 async def test_a_long_body_of_too_many_values_is_refused_as_in_process(tiny_model):
     """Counted, not parsed (pydantic took ~20 times such a body), over HTTP as in-process."""
     client = fresh_client(tiny_model)

@@ -512,6 +512,38 @@ def _mode(mode: str) -> Mode:
     return mode
 
 
+#: what one request of a ``/batch`` body holds at most, its strings included: ``{`` and ``[``
+#: (its object and its ``bulk_rna`` list, inline or inside a JSON string), and ``"`` (its keys
+#: and string values: 24 with the quotes of a body sent as a JSON string; room for a few more)
+_CONTAINERS_A_REQUEST = 2
+_QUOTES_A_REQUEST = 32
+#: batch bodies this long or longer are screened (schema._screen's length: parsing less is
+#: cheap, whatever it holds)
+_SCREENED_FROM = 1 << 20
+
+
+def _screen_batch(raw: bytes, limit: int) -> None:
+    """A long ``/batch`` body holding more JSON objects, arrays or strings than ``limit``
+    requests can, refused before it is parsed: pydantic takes ~27 times such a body and holds
+    the GIL meanwhile (64 MiB of ``[{},{},...]``: 1.7 GB and 3 s, every other request
+    stalled). Counted at ~0.1 ms a MB a character; numbers are not (a float takes ~8 times
+    its text, and ``bulk_rna`` may hold 100,000 of them a request)."""
+    if len(raw) < _SCREENED_FROM:
+        return
+    text = np.frombuffer(raw, np.uint8)
+    containers = int(np.count_nonzero(text == ord("{"))) + int(np.count_nonzero(text == ord("[")))
+    quotes = int(np.count_nonzero(text == ord('"')))
+    most_containers = limit * _CONTAINERS_A_REQUEST + 1
+    most_quotes = limit * _QUOTES_A_REQUEST
+    if containers > most_containers or quotes > most_quotes:
+        raise PayloadTooLargeError(
+            f"invalid batch: its body holds {containers:,} JSON objects and arrays and "
+            f"{quotes:,} quotes, strings included; a batch of at most {limit} requests "
+            f"(histoinfer serve --max-batch-requests) holds at most {most_containers:,} and "
+            f"{most_quotes:,}: send fewer requests, or only the fields a request has"
+        )
+
+
 def _batch_bodies(raw: bytes, verbatim: bool, limit: int | None = None) -> Any:
     """The bodies of a batch request, for ``InProcessClient.infer_batch``.
 
@@ -521,8 +553,12 @@ def _batch_bodies(raw: bytes, verbatim: bool, limit: int | None = None) -> Any:
     refused as in-process; ``{BYTES_KEY: base64}`` is a bytes body, ``{STR_KEY: base64}`` a str
     body that is not valid Unicode). A ``BATCH_BODIES_JSON`` body that is not a list is passed
     on: ``infer_batch`` rejects it with the message in-process callers get. A list of more
-    than ``limit`` elements is refused (413) before any element is looked at.
+    than ``limit`` elements is refused (413) before any element is looked at, and so is a long
+    body that holds more than ``limit`` requests could (:func:`_screen_batch`), before it is
+    parsed.
     """
+    if limit is not None:
+        _screen_batch(raw, limit)
     try:
         items = pydantic_core.from_json(raw, allow_inf_nan=False)
     except ValueError as exc:
