@@ -6,6 +6,7 @@ Every response is compared with the explicit-mode response to the same body (``e
 from __future__ import annotations
 
 import base64
+import contextlib
 import gc
 import io
 import json
@@ -769,3 +770,5 @@ async def test_device_lock_is_held_by_every_forward_pass_and_only_by_them(
 def test_device_lock_must_be_a_context_manager(tiny_model: ServerModel) -> None:
     with pytest.raises(TypeError, match=r"device_lock must be a lock .* got int"):
         InProcessClient(tiny_model, device_lock=42)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"device_lock must be a lock .* got ABCMeta"):
+        InProcessClient(tiny_model, device_lock=contextlib.nullcontext)  # the class

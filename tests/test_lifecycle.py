@@ -34,3 +34,27 @@ def test_close_says_what_it_waits_for_and_returns_when_the_last_call_ends(
     assert done == [True]
     warnings = [r.getMessage() for r in caplog.records if r.name == "histoinfer.client"]
     assert warnings and "still waiting for 1 call(s) in flight" in warnings[0]
+
+
+def test_steps_after_close_run_once_as_the_last_call_ends_and_a_failing_one_harms_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``close(then=...)`` runs its steps when the last call in flight ends, in that call's
+    ``finally``: a step that raises must not replace the call's own outcome, nor keep the
+    next step from running."""
+    ran: list[str] = []
+
+    def failing() -> None:
+        ran.append("failing")
+        raise OSError("a transport that cannot close")
+
+    calls = InFlight(when_done=lambda: ran.append("when_done"))
+    # The call ends normally, whatever the steps do.
+    with caplog.at_level(logging.ERROR, logger="histoinfer.client"), calls.call():
+        calls.close(then=failing)
+        calls.close(then=lambda: ran.append("second"))
+        assert ran == []  # a call is in flight
+    assert ran == ["when_done", "failing", "second"]
+    assert any("failed" in r.getMessage() for r in caplog.records)
+    calls.close(then=lambda: ran.append("at once"))  # none in flight: here and now
+    assert ran[-2:] == ["when_done", "at once"]

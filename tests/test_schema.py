@@ -289,6 +289,7 @@ def test_a_request_built_in_python_takes_numpy_numbers() -> None:
     assert listed.bulk_rna == [1.5, 2.0]
     refused: list[dict[str, Any]] = [
         {"x": np.bool_(True)},
+        {"x": np.timedelta64(3, "ns")},
         {"x": np.float64(3.0)},
         {"x": np.int64(-1)},
         {"tissue_ratio": np.float32(1.5)},

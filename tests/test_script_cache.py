@@ -5,12 +5,14 @@ load slow again, never wrong or failed."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import histoinfer
 from histoinfer.models import build_server_model
+from histoinfer.models.checkpoint import CheckpointError, load_checkpoint
 from histoinfer.models.script_cache import CACHE_ENV
 
 pytestmark = pytest.mark.timeout(120)
@@ -87,6 +89,26 @@ def test_a_cache_that_cannot_be_written_is_no_error(
     assert model.forward_batch(tiles(1), "embed").embedding is not None
 
 
+def test_an_entry_others_may_write_is_not_read(
+    tiny_checkpoint: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An entry stands in for the weights, whose sha256 it only names: one that another user
+    could have written is not trusted."""
+    build_server_model("h1", tiny_checkpoint)
+    [entry] = entries(cache)
+    entry.chmod(0o664)
+    loads: list[object] = []
+    real = torch.export.load
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        loads.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.export, "load", counting)
+    build_server_model("h1", tiny_checkpoint)
+    assert len(loads) == 1  # the .pt2, not the entry
+
+
 def test_a_model_that_is_not_scripted_neither_reads_nor_writes_it(
     tiny_checkpoint: Path, cache: Path
 ) -> None:
@@ -99,3 +121,7 @@ def test_a_model_that_is_not_scripted_neither_reads_nor_writes_it(
     model = Unscripted.from_files(tiny_checkpoint)
     assert isinstance(model.checkpoint.program, torch.fx.GraphModule)
     assert model.runner == "fx GraphModule (script_program is False)"
+    scripted = load_checkpoint(tiny_checkpoint, script_cache=True)  # by hand, for such a class
+    assert scripted.scripted
+    with pytest.raises(CheckpointError, match=r"script_program = False.*script_cache=False"):
+        Unscripted(scripted, model.assets)

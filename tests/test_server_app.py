@@ -209,6 +209,13 @@ async def test_a_long_batch_of_more_than_its_requests_can_hold_is_413_unparsed(
         for batch in (inline, bodies):  # objects, and JSON strings (their quotes escaped)
             r = await http.post("/api/embed/h1/batch", json=batch)
             assert r.status_code == 200 and len(r.json()) == 8, r.text
+    # At the limit: as many requests as allowed, each with its bulk_rna list and braces,
+    # brackets and quotes in its slide name, are counted in (the model then refuses bulk_rna).
+    async with serving(create_app(fresh_client(tiny_model), max_batch_requests=8)) as http:
+        full = [make_body(i, slide_name='{x} "y" [z]', bulk_rna=[0.5, 1.0]) for i in range(8)]
+        for batch in ([json.loads(body) for body in full], full):
+            p = assert_problem(await http.post("/api/embed/h1/batch", json=batch), 400)
+            assert "bulk_rna" in p["detail"]
 
 
 async def test_a_long_body_of_too_many_values_is_refused_as_in_process(tiny_model):

@@ -57,9 +57,14 @@ def _from_numpy(value: object) -> object:
     coordinates usually come out of numpy arrays (``tile_body`` takes them too). Nothing else
     is loosened: JSON holds no numpy scalars, and a ``numpy.bool_`` is still no integer, nor
     ``3.0`` an ``x``."""
-    if isinstance(value, np.generic) and not isinstance(value, np.bool_):
-        return value.item()
+    if _numpy_number(value):
+        return value.item()  # type: ignore[attr-defined]
     return value
+
+
+def _numpy_number(value: object) -> bool:
+    """A numpy integer or float: not a bool, nor a duration (numpy counts it an integer)."""
+    return isinstance(value, (np.integer, np.floating)) and not isinstance(value, np.timedelta64)
 
 
 def _list_from_numpy(value: object, info: ValidationInfo) -> object:
@@ -71,7 +76,10 @@ def _list_from_numpy(value: object, info: ValidationInfo) -> object:
     if isinstance(value, np.ndarray) and value.ndim == 1:
         return value.tolist()
     if isinstance(value, list):  # a numpy.bool_ too, which a float would otherwise take
-        return [item.item() if isinstance(item, np.generic) else item for item in value]
+        return [
+            item.item() if _numpy_number(item) or isinstance(item, np.bool_) else item
+            for item in value
+        ]
     return value
 
 
@@ -319,6 +327,11 @@ _HOW = {
 }
 
 
+def _dimensions(body: object) -> int:
+    dimensions = getattr(body, "ndim", 0)
+    return dimensions if isinstance(dimensions, int) else 0
+
+
 class ForeignBody:
     """What a body that was not a str or bytes was, where the caller passed it: its type's
     name and which hint suits it (``dict``, ``image`` or none)."""
@@ -333,7 +346,7 @@ class ForeignBody:
     def of(cls, body: object) -> ForeignBody:
         if isinstance(body, dict):
             kind = "dict"
-        elif getattr(body, "ndim", 0) >= 2 or hasattr(body, "getpixel"):  # a numpy tile, PIL
+        elif _dimensions(body) >= 2 or hasattr(body, "getpixel"):  # a numpy tile, PIL
             kind = "image"
         else:
             kind = ""

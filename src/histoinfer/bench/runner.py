@@ -510,10 +510,11 @@ def _sweep_model(cfg: BenchConfig, size: str, log: Log, environment: dict[str, A
     # (~0.1 s) instead of each deserializing the .pt2 (~4 s of CPU each; 24 s of --quick's
     # 120 on 2 cores, the first time a checkpoint is measured).
     leader = next((i for i, spec in enumerate(specs) if spec.name == "explicit"), 0)
-    handles = {leader: _start(cfg, OPEN_PATH, specs[leader])}
+    handles = {leader: _start(cfg, OPEN_PATH, specs[leader])} if specs else {}
     paths: list[tuple[str, Isolated | Local]] = []
     try:
-        handles[leader].wait_ready()
+        if specs:
+            handles[leader].wait_ready()
         for i, spec in enumerate(specs):
             if i not in handles:
                 handles[i] = _start(cfg, OPEN_PATH, spec)

@@ -283,8 +283,9 @@ def _check_settings(
     check_flag("dynamic_batching", dynamic_batching)
     if name is not None and (not isinstance(name, str) or not name):
         raise ValueError(f"name must be a non-empty string, got {name!r}")
-    if device_lock is not None and not (
-        hasattr(device_lock, "__enter__") and hasattr(device_lock, "__exit__")
+    if device_lock is not None and (
+        isinstance(device_lock, type)  # a class (nullcontext), not a lock
+        or not (hasattr(device_lock, "__enter__") and hasattr(device_lock, "__exit__"))
     ):
         raise TypeError(
             "device_lock must be a lock (threading.Lock()) or another context manager, got "

@@ -91,10 +91,14 @@ class InFlight:
     def _done(self) -> None:
         with self._idle:  # each runs once, even when close() and a last exit() race
             then, self._then = self._then, []
-        if self._when_done is not None:
-            self._when_done()
-        for step in then:
-            step()
+        steps = ([self._when_done] if self._when_done is not None else []) + then
+        for step in steps:
+            # Run at the end of the last call (in its ``finally``): a step that fails must
+            # neither replace that call's result nor keep the next step from running.
+            try:
+                step()
+            except Exception:
+                log.exception("closing the client: %r failed", step)
 
     def wait_idle(self) -> None:
         """Until no call is in flight. Said in the log every :data:`_WAIT_WARNING_S` seconds

@@ -511,12 +511,18 @@ class ServerModel:
     def _script(self) -> str:
         """Run the program's graph in TorchScript's interpreter if it answers exactly alike;
         kept for the next load (models/script_cache.py)."""
-        if self.checkpoint.scripted:  # read from the cache: checked when it was made
-            return "TorchScript interpreter"
         if self.checkpoint.kind != "torch.export":
             return "AOTInductor"
         if not self.script_program:
+            if self.checkpoint.scripted:
+                raise CheckpointError(
+                    f"{type(self).__name__} has script_program = False, but its checkpoint "
+                    f"{self.checkpoint.path} was loaded as TorchScript: load it with "
+                    "script_cache=False"
+                )
             return "fx GraphModule (script_program is False)"
+        if self.checkpoint.scripted:  # read from the cache: checked when it was made
+            return "TorchScript interpreter"
         if self.device.type != "cpu":
             # On a GPU TorchScript's fuser compiles kernels for shapes this check never sees,
             # and no GPU has measured it yet: the fx module runs there.

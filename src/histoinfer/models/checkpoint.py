@@ -281,9 +281,11 @@ def first_line(exc: BaseException) -> str:
 def load_checkpoint(
     path: str | Path, device: str | torch.device = "cpu", *, script_cache: bool = False
 ) -> LoadedCheckpoint:
-    """Load a ``.pt2`` file of either kind onto ``device``. With ``script_cache``, a
-    ``torch.export`` program bound for a CPU is read from its saved TorchScript translation
-    when there is one (models/script_cache.py: ~0.1 s instead of ~4)."""
+    """Load a ``.pt2`` file of either kind onto ``device``. With ``script_cache`` (for a
+    model class that scripts its program: ``ServerModel.script_program``), a ``torch.export``
+    program bound for a CPU is read from its saved TorchScript translation when there is one
+    (models/script_cache.py: ~0.1 s instead of ~4); ``program`` is then a ScriptModule from
+    the start, not the fx module a first load scripts."""
     path = Path(path).expanduser()
     kind, members = _sniff(path)
     resolved = resolve_device(device, path)

@@ -8,8 +8,11 @@ program does. That translation is saved here once, and a later load on a CPU rea
 of the ``.pt2`` (``torch.jit.load``: ~0.03 s for the tiny model).
 
 An entry is named by the checkpoint's sha256 (computed at every load, before anything in the
-file is used) and by the versions of torch and histoinfer that made it, so a changed file, or
-a new torch or histoinfer, never reads an old translation. The input dtype the exported program
+file is used), by the versions of torch and histoinfer and by a hash of the code that makes
+and checks a translation (models/scripted.py and this module), so a changed file, a new torch
+or a changed translation never reads an old entry. Only entries the current user owns and
+nobody else may write are read: an entry stands in for the weights, whose sha256 it only
+names. The input dtype the exported program
 declares travels inside the entry. Entries are written atomically (a temporary file, then a
 rename), so processes loading the same checkpoint at once never read half a file; an entry
 that cannot be read is ignored and written again. The cache is an optimization only: any
@@ -21,10 +24,13 @@ user's cache directory (``~/.cache/histoinfer`` on Linux).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import stat
 import tempfile
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -50,13 +56,30 @@ def cache_dir() -> Path | None:
     return user_cache_path("histoinfer") / "scripted"
 
 
+@cache
+def _code_hash() -> str:
+    """What made and checked an entry: this module and models/scripted.py."""
+    digest = hashlib.sha256()
+    for name in ("scripted.py", "script_cache.py"):
+        digest.update(Path(__file__).with_name(name).read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def _entry(sha256: str) -> Path | None:
     from .. import __version__
 
     folder = cache_dir()
     if folder is None:
         return None
-    return folder / f"{sha256}-torch{torch.__version__}-histoinfer{__version__}.pt"
+    return folder / (f"{sha256}-torch{torch.__version__}-histoinfer{__version__}-{_code_hash()}.pt")
+
+
+def _trusted(path: Path) -> bool:
+    """Ours alone: owned by this user, writable by nobody else (where the OS says so)."""
+    info = path.stat()
+    if hasattr(os, "getuid") and info.st_uid != os.getuid():
+        return False
+    return not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
 
 
 def load(sha256: str) -> tuple[torch.jit.ScriptModule, torch.dtype] | None:
@@ -65,6 +88,8 @@ def load(sha256: str) -> tuple[torch.jit.ScriptModule, torch.dtype] | None:
     if path is None or not path.is_file():
         return None
     try:
+        if not _trusted(path):
+            raise PermissionError("another user owns it, or others may write it")
         extra = {_META: ""}
         module = torch.jit.load(  # type: ignore[no-untyped-call]
             str(path), map_location="cpu", _extra_files=extra

@@ -512,11 +512,12 @@ def _mode(mode: str) -> Mode:
     return mode
 
 
-#: what one request of a ``/batch`` body holds at most, its strings included: ``{`` and ``[``
-#: (its object and its ``bulk_rna`` list, inline or inside a JSON string), and ``"`` (its keys
-#: and string values: 24 with the quotes of a body sent as a JSON string; room for a few more)
-_CONTAINERS_A_REQUEST = 2
-_QUOTES_A_REQUEST = 32
+#: what one request of a ``/batch`` body holds at most, its strings included, with room to
+#: spare for slide names: ``{`` and ``[`` (its object and its ``bulk_rna`` list, inline or
+#: inside a JSON string: 2), and ``"`` (its keys and string values: 24 with the quotes of a
+#: body sent as a JSON string)
+_CONTAINERS_A_REQUEST = 4
+_QUOTES_A_REQUEST = 48
 #: batch bodies this long or longer are screened (schema._screen's length: parsing less is
 #: cheap, whatever it holds)
 _SCREENED_FROM = 1 << 20
@@ -553,12 +554,10 @@ def _batch_bodies(raw: bytes, verbatim: bool, limit: int | None = None) -> Any:
     refused as in-process; ``{BYTES_KEY: base64}`` is a bytes body, ``{STR_KEY: base64}`` a str
     body that is not valid Unicode). A ``BATCH_BODIES_JSON`` body that is not a list is passed
     on: ``infer_batch`` rejects it with the message in-process callers get. A list of more
-    than ``limit`` elements is refused (413) before any element is looked at, and so is a long
-    body that holds more than ``limit`` requests could (:func:`_screen_batch`), before it is
-    parsed.
+    than ``limit`` elements is refused (413) before any element is looked at (and the route
+    refuses before this parse a long body that holds more than ``limit`` requests could:
+    :func:`_screen_batch`).
     """
-    if limit is not None:
-        _screen_batch(raw, limit)
     try:
         items = pydantic_core.from_json(raw, allow_inf_nan=False)
     except ValueError as exc:
@@ -865,7 +864,10 @@ def create_app(
             def run() -> list[str]:
                 # Parsed here, not on the event loop: a 60 MB batch's list and its bodies
                 # written back to JSON held the loop (every other request) for 50-240 ms.
+                if state.max_batch_requests is not None:
+                    _screen_batch(raw, state.max_batch_requests)  # counted: no lock needed
                 with state.batch_parse_lock:
+                    anyio.from_thread.check_cancelled()  # hung up while it waited its turn
                     bodies = _batch_bodies(raw, verbatim, state.max_batch_requests)
                 # Cancelled (a hang-up, the graceful timeout), the batch stops at its next
                 # slice or pass: this thread checks its host task's cancellation between them.
