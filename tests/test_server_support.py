@@ -118,6 +118,12 @@ def thread_server(app: Any) -> Iterator[ThreadServer]:
 
 
 if __name__ == "__main__":
+    import signal
+
+    # Started from a background job (`cmd &` without job control), a process inherits SIGINT
+    # ignored, and uvicorn then restores "ignored" and re-raises into nothing: exit 0, not
+    # 130. The tests send SIGINT as a terminal would: take it as a foreground process does.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     register_test_models()
     from histoinfer.cli import main
 
