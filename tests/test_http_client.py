@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import anyio
@@ -461,6 +461,18 @@ def answering_after(app: PeakCounter, seconds: float) -> Iterator[None]:
         app.delay = 0.05
 
 
+def predicting_into(client: HttpClient, results: list[object]) -> Callable[[], None]:
+    """A thread's target: one ``predict``, its response (or exception) recorded."""
+
+    def call() -> None:
+        try:
+            results.append(client.predict(make_body(0)))
+        except Exception as exc:  # recorded, to be asserted on
+            results.append(exc)
+
+    return call
+
+
 def test_close_lets_the_calls_in_flight_finish(counting_server):
     """SPEC §5: closing finishes the work in flight and refuses new calls (before, close()
     shut the pools under them: ReadError, or ClientClosedError after a retry)."""
@@ -468,14 +480,7 @@ def test_close_lets_the_calls_in_flight_finish(counting_server):
     with answering_after(app, 0.3):
         client = HttpClient(server.base_url, retries=0)
         results: list[object] = []
-
-        def call() -> None:
-            try:
-                results.append(client.predict(make_body(0)))
-            except Exception as exc:  # recorded, to be asserted on
-                results.append(exc)
-
-        threads = [threading.Thread(target=call) for _ in range(3)]
+        threads = [threading.Thread(target=predicting_into(client, results)) for _ in range(3)]
         for t in threads:
             t.start()
         deadline = time.monotonic() + 10
@@ -523,19 +528,13 @@ async def test_close_on_a_running_loop_lets_every_call_in_flight_finish(counting
         client = HttpClient(server.base_url, retries=0)
         results: list[object] = []
 
-        def sync_call() -> None:
-            try:
-                results.append(client.predict(make_body(0)))
-            except Exception as exc:  # recorded, to be asserted on
-                results.append(exc)
-
         async def async_call() -> None:
             try:
                 results.append(await client.predict_async(make_body(0)))
             except Exception as exc:
                 results.append(exc)
 
-        threads = [threading.Thread(target=sync_call) for _ in range(2)]
+        threads = [threading.Thread(target=predicting_into(client, results)) for _ in range(2)]
         with anyio.fail_after(30):
             async with anyio.create_task_group() as tg:
                 for t in threads:

@@ -51,6 +51,7 @@ from ..schema import (
     FOREIGN_KEY,
     INVOCATION_MODES,
     MODES,
+    SCREENED_FROM,
     ForeignBody,
     InvocationEnvelope,
     InvocationMode,
@@ -59,6 +60,7 @@ from ..schema import (
     ModelMetadata,
     ModelRequest,
     ModelResponse,
+    byte_count,
     parse_model,
 )
 from .metrics import UNKNOWN, HttpCounters, StatsCollector, render_metrics
@@ -518,9 +520,6 @@ def _mode(mode: str) -> Mode:
 #: body sent as a JSON string)
 _CONTAINERS_A_REQUEST = 4
 _QUOTES_A_REQUEST = 48
-#: batch bodies this long or longer are screened (schema._screen's length: parsing less is
-#: cheap, whatever it holds)
-_SCREENED_FROM = 1 << 20
 
 
 def _screen_batch(raw: bytes, limit: int) -> None:
@@ -529,11 +528,10 @@ def _screen_batch(raw: bytes, limit: int) -> None:
     the GIL meanwhile (64 MiB of ``[{},{},...]``: 1.7 GB and 3 s, every other request
     stalled). Counted at ~0.1 ms a MB a character; numbers are not (a float takes ~8 times
     its text, and ``bulk_rna`` may hold 100,000 of them a request)."""
-    if len(raw) < _SCREENED_FROM:
+    if len(raw) < SCREENED_FROM:  # parsing less is cheap, whatever it holds
         return
-    text = np.frombuffer(raw, np.uint8)
-    containers = int(np.count_nonzero(text == ord("{"))) + int(np.count_nonzero(text == ord("[")))
-    quotes = int(np.count_nonzero(text == ord('"')))
+    containers = byte_count(raw, "{", "[")
+    quotes = byte_count(raw, '"')
     most_containers = limit * _CONTAINERS_A_REQUEST + 1
     most_quotes = limit * _QUOTES_A_REQUEST
     if containers > most_containers or quotes > most_quotes:
