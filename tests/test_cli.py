@@ -237,6 +237,7 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
         ("--max-body-mb", "0.0000001", "at least 0.001 (1 KiB)"),  # was 0 bytes: 413 for all
         ("--request-timeout", "0", "more than 0"),
         ("--max-batch-requests", "0", "at least 1"),
+        ("--max-batch-calls", "0", "at least 1"),
         ("--graceful-timeout", "-5", "0 or more"),
     ],
 )
@@ -331,6 +332,10 @@ def test_serve_gives_uvicorn_its_timeouts_as_they_are(
     assert configs[0].app.state.histoinfer.max_batch_requests == 4096
     assert main([*args, "--max-batch-requests", "10"]) == 0
     assert configs[2].app.state.histoinfer.max_batch_requests == 10
+    # And the most /batch calls in progress at once.
+    assert configs[0].app.state.histoinfer.max_batch_calls == 4
+    assert main([*args, "--max-batch-calls", "2"]) == 0
+    assert configs[3].app.state.histoinfer.max_batch_calls == 2
 
 
 @pytest.mark.parametrize("spec", ["a/b=h1", "=h1"])

@@ -291,6 +291,52 @@ async def test_batch_bodies_are_parsed_one_at_a_time(tiny_model, monkeypatch):
     assert most == 1
 
 
+async def test_batch_calls_past_the_limit_get_503_at_once_and_places_come_back(tiny_model):
+    """Each ``/batch`` call holds its body and then every tile it decoded: past
+    ``max_batch_calls`` in progress another is refused at once, as a full queue refuses a
+    tile, rather than held on a worker thread with its body."""
+    model = gated(tiny_model)
+    app = create_app(fresh_client(model, prepare_threads=2), max_batch_calls=1, retry_after=7)
+    path = "/api/predict/h1/batch"
+    held, other = [json.loads(make_body(0, slide_name="gate"))], [json.loads(make_body(1))]
+    statuses: list[int] = []
+    async with serving(app) as http:
+
+        async def hold() -> None:
+            statuses.append((await http.post(path, json=held)).status_code)
+
+        try:
+            with anyio.fail_after(30):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(hold)
+                    while model.entered < 1:  # admitted, and stuck decoding its tile
+                        await anyio.sleep(0.01)
+                    for refused in (path, "/api/embed/h1/batch"):  # across modes
+                        r = await http.post(refused, json=other)
+                        p = assert_problem(r, 503, "overloaded")
+                        assert r.headers["retry-after"] == "7"
+                        assert "1 /batch calls" in p["detail"]
+                        assert "--max-batch-calls" in p["detail"]
+                    # a single tile is not a batch call: served meanwhile
+                    r = await http.post("/api/predict/h1", content=make_body(2))
+                    assert r.status_code == 200
+                    model.gate.set()
+        finally:
+            model.gate.set()
+        assert statuses == [200]
+        # The place comes back after an answer, and after a refusal.
+        assert_problem(await http.post(path, content=b"[1,"), 422)
+        r = await http.post(path, json=other)
+        assert r.status_code == 200 and len(r.json()) == 1
+    assert app.state.histoinfer.batch_calls == 0
+
+
+async def test_max_batch_calls_must_be_a_count(tiny_model):
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="max_batch_calls must be at least 1"):
+            create_app(fresh_client(tiny_model), max_batch_calls=bad)
+
+
 async def test_max_batch_requests_must_be_a_count(tiny_model):
     for bad in (0, -1):
         with pytest.raises(ValueError, match="max_batch_requests must be at least 1"):

@@ -18,8 +18,8 @@ import io
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
 from functools import partial
 from typing import Any, Literal, TypeVar, get_args
 
@@ -43,6 +43,7 @@ from ..errors import (
     ClientClosedError,
     InferenceError,
     InvalidRequestError,
+    OverloadedError,
     UnsupportedModeError,
 )
 from ..models.base import ServerModel
@@ -189,6 +190,7 @@ class ServerState:
         cancel_on_disconnect: bool = True,
         body_timeout: float | None = None,
         max_batch_requests: int | None = None,
+        max_batch_calls: int | None = None,
     ) -> None:
         if not models:
             raise ValueError("create_app needs at least one model")
@@ -201,6 +203,8 @@ class ServerState:
             raise ValueError(f"body_timeout must be more than 0 s, or None, got {body_timeout!r}")
         if max_batch_requests is not None and not max_batch_requests >= 1:
             raise ValueError(f"max_batch_requests must be at least 1, got {max_batch_requests!r}")
+        if max_batch_calls is not None and not max_batch_calls >= 1:
+            raise ValueError(f"max_batch_calls must be at least 1, got {max_batch_calls!r}")
         self.models = {name: ServedModel(name, source) for name, source in models.items()}
         self.max_body_bytes = max_body_bytes
         self.max_batch_requests = max_batch_requests
@@ -208,6 +212,10 @@ class ServerState:
         #: once are no faster, and each can briefly take ~16x its body (64 MiB of ``[{},...]``
         #: ~1 GB): one at a time bounds that to one body's worth, not one per worker thread.
         self.batch_parse_lock = threading.Lock()
+        #: ``/batch`` calls in progress (their bodies being read, parsed or run): counted on
+        #: the event loop, so no lock. Each holds its body and then every decoded tile.
+        self.max_batch_calls = max_batch_calls
+        self.batch_calls = 0
         self.body_timeout = body_timeout
         self.retry_after = retry_after
         self.warmup = warmup
@@ -268,6 +276,16 @@ class ServerState:
     def begin_drain(self) -> None:
         """Refuse new requests (503 ``closed``) and fail readiness; in-flight ones go on."""
         self.stopping = self.draining = True
+
+    @contextmanager
+    def batch_call(self) -> Iterator[bool]:
+        """A ``/batch`` call's place among those in progress: yields whether it got one."""
+        admitted = self.max_batch_calls is None or self.batch_calls < self.max_batch_calls
+        self.batch_calls += admitted
+        try:
+            yield admitted
+        finally:
+            self.batch_calls -= admitted
 
     def arrived(self) -> Arrival:
         """A request in flight from its headers on: ``with state.arrived() as arrival:``."""
@@ -404,17 +422,14 @@ async def read_body(request: Request, limit: int, arrival: Arrival | None = None
     """The raw body, refused with 413 over ``limit`` bytes (declared or actually streamed).
     Each chunk tells ``arrival`` the body is making progress (:meth:`ServerState.watch_bodies`)."""
     declared = request.headers.get("content-length", "")
-    stream = request.stream()
     if declared.isdigit() and int(declared) > limit:
-        # A client that sent "Expect: 100-continue" waits for the server's go-ahead, which
-        # reading the body would give: refused now, it never uploads the body at all.
-        if request.headers.get("expect", "").lower() != "100-continue":
-            await _discard(stream, 0)
+        await refuse_unread(request)
         raise PayloadTooLargeError(
             f"request body is {int(declared)} bytes; the limit is {limit} bytes"
         )
     chunks: list[bytes] = []
     size = 0
+    stream = request.stream()
     async for chunk in stream:
         size += len(chunk)
         if size > limit:
@@ -433,6 +448,15 @@ async def read_body(request: Request, limit: int, arrival: Arrival | None = None
             headers={"Accept-Encoding": "identity"},
         )
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def refuse_unread(request: Request) -> None:
+    """Before refusing a request whose body is not read yet: its body, read and dropped, so
+    that the client sees the answer rather than a connection reset."""
+    # A client that sent "Expect: 100-continue" waits for the server's go-ahead, which
+    # reading the body would give: refused now, it never uploads the body at all.
+    if request.headers.get("expect", "").lower() != "100-continue":
+        await _discard(request.stream(), 0)
 
 
 async def _discard(stream: AsyncIterator[bytes], already: int) -> None:
@@ -688,6 +712,7 @@ def create_app(
     cancel_on_disconnect: bool = True,
     body_timeout: float | None = 60.0,
     max_batch_requests: int | None = 4096,
+    max_batch_calls: int | None = 4,
 ) -> FastAPI:
     """Build the microservice over one or more in-process clients.
 
@@ -711,6 +736,12 @@ def create_app(
             any is parsed as a request; None: no limit. A batch holds every tile until all
             are decoded (SPEC §2.2, all or nothing), and a body of millions of tiny elements
             cost minutes of CPU and gigabytes; 4096 is more 224-px tiles than 64 MiB holds.
+        max_batch_calls: the most ``/batch`` calls in progress at once, across models and
+            modes; another is answered 503 ``overloaded`` (with ``Retry-After``) at once, its
+            body read and dropped, as a full queue answers a tile. None: no limit. Each call
+            holds its body, then every tile it decoded, so this bounds the memory batches
+            take (4 × 64 MiB bodies); the device runs one pass at a time, and a few calls
+            keep it as busy as many (docs/server.md, "Load shedding").
 
     The app must run its lifespan (every ASGI server does; in tests use
     ``async with app.router.lifespan_context(app)``). Its :class:`ServerState` is
@@ -726,6 +757,7 @@ def create_app(
         cancel_on_disconnect=cancel_on_disconnect,
         body_timeout=body_timeout,
         max_batch_requests=max_batch_requests,
+        max_batch_calls=max_batch_calls,
     )
 
     @asynccontextmanager
@@ -854,7 +886,13 @@ def create_app(
 
         Answers a JSON list, or one response per line if the request accepts NDJSON.
         """
-        with state.arrived() as arrival:
+        with state.arrived() as arrival, state.batch_call() as admitted:
+            if not admitted:
+                await refuse_unread(request)
+                raise OverloadedError(
+                    f"{state.max_batch_calls} /batch calls are in progress, the most this "
+                    "server takes at once (--max-batch-calls); retry later"
+                )
             raw = await body_of(request, arrival)
             checked, client = _mode(mode), state.client(model, arrival)
             verbatim = request.headers.get("content-type", "").startswith(BATCH_BODIES_JSON)

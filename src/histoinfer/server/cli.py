@@ -107,6 +107,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="the most requests in one /batch body; more get 413 (default: %(default)s)",
     )
     add(
+        "--max-batch-calls",
+        type=_count,
+        default=4,
+        help="the most /batch calls in progress at once; more get 503 at once, as a full "
+        "queue answers (default: %(default)s)",
+    )
+    add(
         "--request-timeout",
         type=_above_zero,
         default=None,
@@ -272,6 +279,7 @@ def run(args: argparse.Namespace) -> int:
         cancel_on_disconnect=not args.no_cancel_on_disconnect,
         body_timeout=args.body_timeout or None,
         max_batch_requests=args.max_batch_requests,
+        max_batch_calls=args.max_batch_calls,
     )
     state: ServerState = app.state.histoinfer
     state.on_loaded = freeze_startup_heap
