@@ -4,6 +4,8 @@ load slow again, never wrong or failed."""
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 import histoinfer
-from histoinfer.models import build_server_model
+from histoinfer.models import build_server_model, script_cache
 from histoinfer.models.checkpoint import CheckpointError, load_checkpoint
 from histoinfer.models.script_cache import CACHE_ENV
 
@@ -125,3 +127,67 @@ def test_a_model_that_is_not_scripted_neither_reads_nor_writes_it(
     assert scripted.scripted
     with pytest.raises(CheckpointError, match=r"script_program = False.*script_cache=False"):
         Unscripted(scripted, model.assets)
+
+
+def test_entries_unused_for_a_month_and_abandoned_writes_are_pruned(
+    tiny_checkpoint: Path, cache: Path
+) -> None:
+    """Every new torch or checkpoint leaves an entry (~90 MB for a ViT-S): those no load has
+    read for ``UNUSED_DAYS`` go when another is written, as do a killed writer's files."""
+    build_server_model("h1", tiny_checkpoint)
+    [entry] = entries(cache)
+    month = script_cache.UNUSED_DAYS * 86400
+    long_ago = time.time() - month - 3600
+    stale, recent = cache / f"{'0' * 64}-torch0-old.pt", cache / f"{'1' * 64}-torch0-new.pt"
+    dead, writing = cache / ".dead.tmp", cache / ".writing.tmp"
+    for path in (stale, recent, dead, writing):
+        path.write_bytes(b"x")
+    for path in (stale, dead):
+        os.utime(path, (long_ago, long_ago))
+    os.utime(recent, (time.time() - month + 3600,) * 2)
+    os.utime(entry, (long_ago, long_ago))
+
+    build_server_model("h1", tiny_checkpoint)  # a load reads the entry: it is used again
+    assert time.time() - entry.stat().st_mtime < 600
+    assert stale.exists()  # nothing was written: nothing pruned
+    entry.unlink()
+    build_server_model("h1", tiny_checkpoint)  # written again, and the folder pruned
+    assert entries(cache) == sorted([entry, recent])
+    assert not dead.exists() and writing.exists()
+
+
+def test_an_entry_that_reads_back_differently_is_not_kept(
+    tiny_checkpoint: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = torch.jit.load
+
+    def altered(*args: Any, **kwargs: Any) -> Any:
+        module = real(*args, **kwargs)
+        with torch.no_grad():
+            next(iter(module.state_dict().values())).add_(1)
+        return module
+
+    monkeypatch.setattr(torch.jit, "load", altered)
+    model = build_server_model("h1", tiny_checkpoint)
+    assert model.runner == "TorchScript interpreter"
+    assert entries(cache) == [] and list(cache.iterdir()) == []
+
+
+def test_same_compares_code_and_every_tensor() -> None:
+    class Scale(torch.nn.Module):
+        def __init__(self, by: float) -> None:
+            super().__init__()
+            self.by = torch.nn.Parameter(torch.tensor([by]))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.by
+
+    class Shift(Scale):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.by
+
+    one = torch.jit.script(Scale(1.0))
+    assert script_cache._same(one, torch.jit.script(Scale(1.0)))
+    assert not script_cache._same(one, torch.jit.script(Scale(2.0)))
+    assert not script_cache._same(one, torch.jit.script(Shift(1.0)))
+    assert not script_cache._same(one, torch.jit.script(Scale(1.0).double()))

@@ -15,8 +15,15 @@ nobody else may write are read: an entry stands in for the weights, whose sha256
 names. The input dtype the exported program
 declares travels inside the entry. Entries are written atomically (a temporary file, then a
 rename), so processes loading the same checkpoint at once never read half a file; an entry
-that cannot be read is ignored and written again. The cache is an optimization only: any
-failure to read or write it is logged at DEBUG and the load goes on the slow way.
+that cannot be read is ignored and written again. A written entry is read back and compared
+with the module that was checked (its code and every tensor) before it is put in place. The
+cache is an optimization only: any failure to read or write it is logged at DEBUG and the load
+goes on the slow way.
+
+Pruning: a load that reads an entry marks it used (its modification time). Each time an entry
+is written, entries unused for :data:`UNUSED_DAYS` days are deleted (an old torch's, an old
+checkpoint's: ~90 MB each for a ViT-S), and so are temporary files a killed writer left behind.
+The folder may also be deleted at any time.
 
 Where: ``$HISTOINFER_SCRIPT_CACHE`` if set (``off`` turns it off), else ``scripted/`` in the
 user's cache directory (``~/.cache/histoinfer`` on Linux).
@@ -24,24 +31,30 @@ user's cache directory (``~/.cache/histoinfer`` on Linux).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import stat
 import tempfile
+import time
 from functools import cache
 from pathlib import Path
 
 import torch
 
-__all__ = ["CACHE_ENV", "cache_dir", "load", "save"]
+__all__ = ["CACHE_ENV", "UNUSED_DAYS", "cache_dir", "load", "save"]
 
 log = logging.getLogger("histoinfer.models")
 
 #: a directory for the cache, or ``off``
 CACHE_ENV = "HISTOINFER_SCRIPT_CACHE"
 _META = "histoinfer.json"
+#: an entry no load has read for this long is deleted when another is written
+UNUSED_DAYS = 30
+#: a temporary file this old was left by a writer that died (a write takes seconds)
+_ABANDONED_S = 3600.0
 
 
 def cache_dir() -> Path | None:
@@ -102,6 +115,8 @@ def load(sha256: str) -> tuple[torch.jit.ScriptModule, torch.dtype] | None:
         log.debug("TorchScript cache entry %s not used: %r", path, exc)
         return None
     module.eval()
+    with contextlib.suppress(OSError):
+        os.utime(path)  # used: kept by the pruning in save()
     return module, dtype
 
 
@@ -117,9 +132,53 @@ def save(sha256: str, module: torch.jit.ScriptModule, input_dtype: torch.dtype) 
         os.close(handle)
         try:
             torch.jit.save(module, temporary, _extra_files={_META: json.dumps(meta)})
+            written = torch.jit.load(temporary, map_location="cpu")  # type: ignore[no-untyped-call]
+            if not _same(module, written):
+                raise ValueError("the file read back differs from the module checked")
             os.replace(temporary, path)
         finally:
             if os.path.exists(temporary):
                 os.unlink(temporary)
     except Exception as exc:  # a read-only home, a full disk: loads stay slow, nothing fails
         log.debug("TorchScript cache entry %s not written: %r", path, exc)
+        return
+    _prune(path.parent, keep=path)
+
+
+def _same(a: torch.jit.ScriptModule, b: torch.jit.ScriptModule) -> bool:
+    """The same program: the code of every submodule, and every tensor, bit for bit."""
+    modules_a, modules_b = dict(a.named_modules()), dict(b.named_modules())
+    if modules_a.keys() != modules_b.keys():
+        return False
+    if any(_code(m) != _code(modules_b[name]) for name, m in modules_a.items()):
+        return False
+    tensors_a, tensors_b = a.state_dict(), b.state_dict()
+    return tensors_a.keys() == tensors_b.keys() and all(
+        t.dtype == tensors_b[k].dtype and torch.equal(t, tensors_b[k]) for k, t in tensors_a.items()
+    )
+
+
+def _code(module: torch.nn.Module) -> str | None:
+    """A scripted module's ``forward`` as TorchScript prints it; None if it has none."""
+    try:
+        return str(module.code)
+    except Exception:  # no forward of its own
+        return None
+
+
+def _prune(folder: Path, keep: Path) -> None:
+    """Delete entries unused for :data:`UNUSED_DAYS` days and abandoned temporary files."""
+    now = time.time()
+    for path in folder.glob("*.pt"):
+        _delete_if_older(path, now - UNUSED_DAYS * 86400.0, keep)
+    for path in folder.glob(".*.tmp"):
+        _delete_if_older(path, now - _ABANDONED_S, keep)
+
+
+def _delete_if_older(path: Path, before: float, keep: Path) -> None:
+    try:
+        if path != keep and _trusted(path) and path.stat().st_mtime < before:
+            path.unlink()
+            log.debug("TorchScript cache: deleted %s (unused)", path)
+    except OSError as exc:  # another process pruning too, or not ours to delete
+        log.debug("TorchScript cache: %s not pruned: %r", path, exc)
