@@ -336,6 +336,20 @@ def test_serve_gives_uvicorn_its_timeouts_as_they_are(
     assert configs[0].app.state.histoinfer.max_batch_calls == 4
     assert main([*args, "--max-batch-calls", "2"]) == 0
     assert configs[3].app.state.histoinfer.max_batch_calls == 2
+    # And the most bytes of bodies held at once: 1 GiB, or 16 of the largest if more.
+    assert configs[0].app.state.histoinfer.max_held_bytes == 2**30
+    assert main([*args, "--max-body-mb", "2", "--max-bodies-mb", "3"]) == 0
+    assert configs[4].app.state.histoinfer.max_held_bytes == 3 * 2**20
+    assert main([*args, "--max-body-mb", "128"]) == 0
+    assert configs[5].app.state.histoinfer.max_held_bytes == 16 * 128 * 2**20
+
+
+def test_serve_refuses_less_room_for_bodies_than_one_body_takes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    serve = ["serve", "--model", "h1", "--checkpoint", "x.pt2", "--port", "0"]
+    code, _, err = run([*serve, "--max-body-mb", "8", "--max-bodies-mb", "4"], capsys)
+    assert_one_line_error(code, err, "--max-bodies-mb (4) must be at least --max-body-mb (8)")
 
 
 @pytest.mark.parametrize("spec", ["a/b=h1", "=h1"])

@@ -593,6 +593,70 @@ async def test_full_queue_answers_503_at_once(tiny_model, overload, caplog):
         assert (await http.post("/api/predict/h1", content=make_body(3))).status_code == 200
 
 
+async def test_bodies_past_the_servers_room_get_503_and_their_bytes_come_back(tiny_model):
+    """Every body is held until its request is answered: past ``max_held_bytes`` over every
+    request, another is refused at once (a declared length before any of it is read, a
+    chunked one as it comes) instead of taking the server's memory with it."""
+    model = gated(tiny_model)
+    held_body = make_body(0, slide_name="gate").encode()
+    size = len(held_body)
+    app = create_app(
+        fresh_client(model, prepare_threads=2),
+        max_body_bytes=size + 100,
+        max_held_bytes=2 * size + 100,
+        retry_after=7,
+    )
+    state = app.state.histoinfer
+    statuses: list[int] = []
+    async with serving(app) as http:
+
+        async def held() -> None:
+            r = await http.post("/api/predict/h1", content=held_body)
+            statuses.append(r.status_code)
+
+        try:
+            with anyio.fail_after(30):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(held)
+                    tg.start_soon(held)
+                    while model.entered < 2:  # both read, and stuck decoding
+                        await anyio.sleep(0.01)
+                    assert state.http.bodies_held == 2 * size
+                    assert (await scrape(http))["histoinfer_http_request_body_bytes"][()] == (
+                        2 * size
+                    )
+                    r = await http.post("/api/predict/h1", content=make_body(1))
+                    p = assert_problem(r, 503, "overloaded")
+                    assert r.headers["retry-after"] == "7"
+                    assert "--max-bodies-mb" in p["detail"]
+                    assert f"limit of {2 * size + 100} bytes" in p["detail"]
+                    # Chunked, with no length to refuse it by: refused once it does not fit.
+                    chunks = [held_body[:100], held_body[100:]]
+                    messages = [
+                        {"type": "http.request", "body": c, "more_body": i == 0}
+                        for i, c in enumerate(chunks)
+                    ]
+                    sent, _ = await post_raw(app, messages, [(b"transfer-encoding", b"chunked")])
+                    assert sent[0]["status"] == 503, sent
+                    assert state.http.bodies_held == 2 * size  # the refused ones hold nothing
+                    model.gate.set()
+        finally:
+            model.gate.set()
+        assert statuses == [200, 200]
+        assert state.http.bodies_held == 0
+        assert (await http.post("/api/predict/h1", content=make_body(2))).status_code == 200
+        assert state.http.bodies_held == 0
+
+
+async def test_max_held_bytes_must_hold_one_body(tiny_model):
+    with pytest.raises(ValueError, match=r"max_held_bytes \(999\) must be at least max_body"):
+        create_app(fresh_client(tiny_model), max_body_bytes=1000, max_held_bytes=999)
+    state = create_app(fresh_client(tiny_model), max_body_bytes=1000).state.histoinfer
+    assert state.max_held_bytes == 2**30
+    state = create_app(fresh_client(tiny_model), max_body_bytes=2**27).state.histoinfer
+    assert state.max_held_bytes == 2**31
+
+
 async def post_then_hang_up(app: Any, path: str, body: bytes, hang_up: anyio.Event) -> list[Any]:
     """POST a whole ``body`` to ``path`` as a client that disconnects when ``hang_up`` is set
     (the next ASGI message, as a server sends it once the connection closes); what was sent."""

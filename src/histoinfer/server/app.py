@@ -143,7 +143,7 @@ class Arrival:
     scope alone ~14), about 2% of its CPU a request.
     """
 
-    __slots__ = ("_state", "reading_since", "scope", "stalled", "while_draining")
+    __slots__ = ("_state", "held", "reading_since", "scope", "stalled", "while_draining")
 
     def __init__(self, state: ServerState) -> None:
         self._state = state
@@ -152,6 +152,8 @@ class Arrival:
         #: when the body last made progress; None once it is read
         self.reading_since: float | None = time.monotonic()
         self.stalled = False
+        #: bytes of its body it holds, counted in the server's ``--max-bodies-mb``
+        self.held = 0
 
     def __enter__(self) -> Arrival:
         self.scope.__enter__()
@@ -160,7 +162,25 @@ class Arrival:
 
     def __exit__(self, *exc_info: Any) -> bool:
         self._state.in_flight.discard(self)
+        self._state.http.bodies_held -= self.held
         return bool(self.scope.__exit__(*exc_info))
+
+    def hold(self, size: int) -> bool:
+        """Count ``size`` more bytes of its body, if the server has room for them."""
+        counters, limit = self._state.http, self._state.max_held_bytes
+        if limit is not None and counters.bodies_held + size > limit:
+            return False
+        counters.bodies_held += size
+        self.held += size
+        return True
+
+    def no_room(self) -> OverloadedError:
+        """The refusal when :meth:`hold` found no room: a 503, as a full queue's."""
+        return OverloadedError(
+            f"the server holds {self._state.http.bodies_held} bytes of request bodies, and "
+            f"this one does not fit in its limit of {self._state.max_held_bytes} bytes "
+            "(--max-bodies-mb); retry later"
+        )
 
 
 class ServedModel:
@@ -191,6 +211,7 @@ class ServerState:
         body_timeout: float | None = None,
         max_batch_requests: int | None = None,
         max_batch_calls: int | None = None,
+        max_held_bytes: int | None = None,
     ) -> None:
         if not models:
             raise ValueError("create_app needs at least one model")
@@ -205,6 +226,11 @@ class ServerState:
             raise ValueError(f"max_batch_requests must be at least 1, got {max_batch_requests!r}")
         if max_batch_calls is not None and not max_batch_calls >= 1:
             raise ValueError(f"max_batch_calls must be at least 1, got {max_batch_calls!r}")
+        if max_held_bytes is not None and not max_held_bytes >= max_body_bytes:
+            raise ValueError(
+                f"max_held_bytes ({max_held_bytes!r}) must be at least max_body_bytes "
+                f"({max_body_bytes}): a body the server may take must fit in what it holds"
+            )
         self.models = {name: ServedModel(name, source) for name, source in models.items()}
         self.max_body_bytes = max_body_bytes
         self.max_batch_requests = max_batch_requests
@@ -216,6 +242,9 @@ class ServerState:
         #: the event loop, so no lock. Each holds its body and then every decoded tile.
         self.max_batch_calls = max_batch_calls
         self.batch_calls = 0
+        #: The most bytes of request bodies held at once, over every request (each counted
+        #: from its first chunk until it is answered; ``http.bodies_held`` is the count).
+        self.max_held_bytes = max_held_bytes
         self.body_timeout = body_timeout
         self.retry_after = retry_after
         self.warmup = warmup
@@ -427,6 +456,10 @@ async def read_body(request: Request, limit: int, arrival: Arrival | None = None
         raise PayloadTooLargeError(
             f"request body is {int(declared)} bytes; the limit is {limit} bytes"
         )
+    if arrival is not None and declared.isdigit() and not arrival.hold(int(declared)):
+        await refuse_unread(request)  # no room for it: refused before any of it is read
+        raise arrival.no_room()
+    holder = None if declared.isdigit() else arrival  # chunked: counted as it comes
     chunks: list[bytes] = []
     size = 0
     stream = request.stream()
@@ -435,6 +468,9 @@ async def read_body(request: Request, limit: int, arrival: Arrival | None = None
         if size > limit:
             await _discard(stream, size)
             raise PayloadTooLargeError(f"request body is over the limit of {limit} bytes")
+        if holder is not None and not holder.hold(len(chunk)):
+            await _discard(stream, size)
+            raise holder.no_room()
         chunks.append(chunk)
         if arrival is not None:  # the timeout runs between chunks: a slow link is no stall
             arrival.reading_since = time.monotonic()
@@ -713,6 +749,7 @@ def create_app(
     body_timeout: float | None = 60.0,
     max_batch_requests: int | None = 4096,
     max_batch_calls: int | None = 4,
+    max_held_bytes: int | None = None,
 ) -> FastAPI:
     """Build the microservice over one or more in-process clients.
 
@@ -742,6 +779,12 @@ def create_app(
             holds its body, then every tile it decoded, so this bounds the memory batches
             take (4 × 64 MiB bodies); the device runs one pass at a time, and a few calls
             keep it as busy as many (docs/server.md, "Load shedding").
+        max_held_bytes: the most bytes of request bodies held at once, over every request,
+            each counted from its first byte until it is answered; a body that does not fit
+            is answered 503 ``overloaded`` (with ``Retry-After``), by its ``Content-Length``
+            before any of it is read. None: 1 GiB, or 16 × ``max_body_bytes`` if more. It
+            must be at least ``max_body_bytes``; a server that wants no such bound passes a
+            number larger than its memory.
 
     The app must run its lifespan (every ASGI server does; in tests use
     ``async with app.router.lifespan_context(app)``). Its :class:`ServerState` is
@@ -749,6 +792,8 @@ def create_app(
     """
     if isinstance(models, InProcessClient):
         models = {models.server_model.metadata().name: models}
+    if max_held_bytes is None:
+        max_held_bytes = max(2**30, 16 * max_body_bytes)
     state = ServerState(
         models,
         max_body_bytes=max_body_bytes,
@@ -758,6 +803,7 @@ def create_app(
         body_timeout=body_timeout,
         max_batch_requests=max_batch_requests,
         max_batch_calls=max_batch_calls,
+        max_held_bytes=max_held_bytes,
     )
 
     @asynccontextmanager

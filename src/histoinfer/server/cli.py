@@ -101,6 +101,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "(default: 64)",
     )
     add(
+        "--max-bodies-mb",
+        type=_body_mb,
+        default=None,
+        help="the most MiB of request bodies held at once, over every request; a body that "
+        "does not fit gets 503 (default: 1024, or 16 × --max-body-mb if more)",
+    )
+    add(
         "--max-batch-requests",
         type=_count,
         default=4096,
@@ -266,6 +273,11 @@ def model_sources(args: argparse.Namespace) -> dict[str, ClientSource]:
 def run(args: argparse.Namespace) -> int:
     if args.server == "uvicorn" and args.backend == "trio":
         raise CommandError("uvicorn runs on asyncio only; use --server hypercorn --backend trio")
+    if args.max_bodies_mb is not None and args.max_bodies_mb < args.max_body_mb:
+        raise CommandError(
+            f"--max-bodies-mb ({args.max_bodies_mb:g}) must be at least --max-body-mb "
+            f"({args.max_body_mb:g}): a body the server takes must fit in what it holds"
+        )
     import_modules(args.imports)  # before the keys are looked up: they may register them
     sources = model_sources(args)
     _check_bindable(args.host, args.port)
@@ -280,6 +292,7 @@ def run(args: argparse.Namespace) -> int:
         body_timeout=args.body_timeout or None,
         max_batch_requests=args.max_batch_requests,
         max_batch_calls=args.max_batch_calls,
+        max_held_bytes=None if args.max_bodies_mb is None else int(args.max_bodies_mb * 2**20),
     )
     state: ServerState = app.state.histoinfer
     state.on_loaded = freeze_startup_heap

@@ -108,6 +108,8 @@ class HttpCounters:
         #: label is then ``unknown``).
         self.models: frozenset[str] | None = None
         self._series: dict[_Key, _Series] = {}
+        #: Bytes of request bodies held now, over every request (the app counts them).
+        self.bodies_held = 0
         self._by_path: dict[str, _Series] = {}  # the exact paths of the served routes
         if models is not None:
             self.serve(models)
@@ -317,13 +319,19 @@ class StatsCollector(Collector):
             "response, by route template, model and mode.",
             labels=_LABELS,
         )
+        held = GaugeMetricFamily(
+            "histoinfer_http_request_body_bytes",
+            "Bytes of request bodies the server holds now, over every request (bounded by "
+            "--max-bodies-mb).",
+            value=self._http.bodies_held,
+        )
         for series in self._http.series():
             key = list(series.key)
             in_flight.add_metric(key, series.in_flight)
             for status, count in sorted(series.statuses.items()):
                 responses.add_metric([*key, str(status)], count)
             duration.add_metric(key, series.cumulative(), sum_value=series.total)
-        return in_flight, responses, duration
+        return in_flight, responses, duration, held
 
 
 def _per_mode(kind: Callable[..., _F], name: str, doc: str, *extra: str) -> _F:
