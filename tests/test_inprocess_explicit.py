@@ -51,6 +51,7 @@ class CountingModel(H1ServerModel):
         self.calls: list[tuple[int, Mode]] = []
         self.poison = False
         self.nan_on_white = False
+        self.nan_on_black = False
         self.fail_above: int | None = None  # passes of more tiles fail, as out of memory
         self.gate: threading.Event | None = None
         self.entered = threading.Event()
@@ -69,10 +70,15 @@ class CountingModel(H1ServerModel):
         if self.fail_above is not None and batch.shape[0] > self.fail_above:
             raise RuntimeError(f"out of memory for {batch.shape[0]} tiles")
         output = super().forward_batch(batch, mode)
+        spoilt = torch.zeros_like(white)
         if self.nan_on_white:
+            spoilt |= white
+        if self.nan_on_black:
+            spoilt |= (batch == 0).flatten(1).all(1)
+        if bool(spoilt.any()):
 
             def spoil(t: torch.Tensor | None) -> torch.Tensor | None:
-                return None if t is None else torch.where(white[:, None], float("nan"), t)
+                return None if t is None else torch.where(spoilt[:, None], float("nan"), t)
 
             output = BatchOutput(spoil(output.predictions), spoil(output.embedding))
         return output
@@ -100,9 +106,9 @@ def client(model: CountingModel) -> Iterator[InProcessClient]:
         yield c
 
 
-def white_body(i: int) -> str:
+def white_body(i: int, colour: tuple[int, int, int] = (255, 255, 255)) -> str:
     buf = io.BytesIO()
-    Image.new("RGB", (224, 224), (255, 255, 255)).save(buf, format="PNG")
+    Image.new("RGB", (224, 224), colour).save(buf, format="PNG")
     return make_body(i, image_data=base64.b64encode(buf.getvalue()).decode())
 
 
@@ -714,6 +720,23 @@ def test_non_finite_outputs_in_a_batch_name_every_position(
         assert f"batch position {position} (patch_idx={position}" in message
     assert "batch position 0" not in message and "batch position 2" not in message
     assert client.stats()["predict"].errors == before + 1
+
+
+def test_a_batch_names_its_failing_tiles_and_its_non_finite_ones_together(
+    client: InProcessClient, model: CountingModel
+) -> None:
+    """A batch is all or nothing: naming only the tiles whose pass raised left the caller to
+    fix them, send it again, and only then learn of the tiles answering NaN."""
+    model.poison, model.nan_on_black = True, True
+    bodies = [make_body(0), white_body(1), white_body(2, (0, 0, 0)), make_body(3)]  # one chunk
+    with pytest.raises(ModelExecutionError) as info:
+        client.predict_batch(bodies)
+    message = str(info.value)
+    failed, _, non_finite = message.partition("; and ")
+    assert failed.startswith("forward pass failed for batch position 1 (patch_idx=1")
+    assert "poisoned tile" in failed and "batch position 2" not in failed
+    assert "non-finite" in non_finite and "batch position 2 (patch_idx=2" in non_finite
+    assert "batch position 0" not in message and "batch position 3" not in message
 
 
 @pytest.mark.anyio

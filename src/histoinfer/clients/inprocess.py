@@ -891,7 +891,6 @@ class InProcessClient(ClosingContext):
                 check()
                 chunk = prepared[start : start + self.max_batch_size]
                 outputs = self._forward_chunk(chunk, mode, start)
-                self._check_finite(chunk, outputs, mode, start)
                 try:
                     responses.extend(
                         self._finish(request, output, mode)
@@ -956,29 +955,29 @@ class InProcessClient(ClosingContext):
             return self._batch_decoder
 
     def _forward_chunk(self, chunk: list[Prepared], mode: Mode, offset: int) -> list[SampleOutput]:
+        """The chunk's outputs; or one error naming every tile that failed alone and every
+        tile whose outputs are NaN or infinite (``postprocess`` would stop at the first)."""
         outputs, failing = self._forward_bisecting(chunk, mode, offset)
-        if failing:
-            raise ModelExecutionError("forward pass failed for " + "; ".join(failing))
-        return outputs
-
-    def _check_finite(
-        self, chunk: list[Prepared], outputs: list[SampleOutput], mode: Mode, offset: int
-    ) -> None:
-        """Name every tile of the chunk whose output is NaN or infinite (``postprocess`` would
-        stop at the first), as a failed forward pass names every failing tile."""
-        bad = [
+        non_finite = [
             f"batch position {offset + i} ({request.where()})"
             for i, ((request, _), output) in enumerate(zip(chunk, outputs, strict=True))
-            if not output.finite
+            if output is not None and not output.finite
         ]
-        if bad:
+        if non_finite:
             self._stats[mode].record_error(ModelExecutionError.__name__)
-            raise non_finite_error(self.server_model.metadata().name, "; ".join(bad))
+        problems = ["forward pass failed for " + "; ".join(failing)] if failing else []
+        if non_finite:
+            nan = non_finite_error(self.server_model.metadata().name, "; ".join(non_finite))
+            problems.append(str(nan))
+        if problems:
+            raise ModelExecutionError("; and ".join(problems))
+        return [output for output in outputs if output is not None]
 
     def _forward_bisecting(
         self, chunk: list[Prepared], mode: Mode, offset: int, *, bisected: bool = False
-    ) -> tuple[list[SampleOutput], list[str]]:
-        """The chunk's outputs, and the tiles that fail alone (by batch position).
+    ) -> tuple[list[SampleOutput | None], list[str]]:
+        """The chunk's outputs (None for a tile that fails alone), and those tiles (by batch
+        position, with their errors).
 
         A pass that raises is run again as two halves, as the scheduler bisects a failed
         batch: a pass that fails only at this size (a GPU out of memory) still answers every
@@ -996,7 +995,7 @@ class InProcessClient(ClosingContext):
         except Exception as exc:
             if len(chunk) == 1:
                 stats.record_error(type(exc).__name__)
-                return [], [f"batch position {offset} ({chunk[0][0].where()}): {exc!r}"]
+                return [None], [f"batch position {offset} ({chunk[0][0].where()}): {exc!r}"]
             if not bisected:  # once a chunk, as the scheduler logs it
                 name = f"{self._model_name}:{mode}"
                 log.warning("%s: batch of %d failed (%r); bisecting", name, len(chunk), exc)
@@ -1009,7 +1008,7 @@ class InProcessClient(ClosingContext):
             )
             return first + second, failed_first + failed_second
         stats.record_batch(len(chunk), [0.0] * len(chunk), ran_s)
-        return outputs, []
+        return list(outputs), []
 
     # -- sync bridge and bookkeeping ---------------------------------------------------------
 
