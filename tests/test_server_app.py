@@ -954,6 +954,11 @@ async def test_invocations_in_every_mode(tiny_model):
             assert outputs_close(r.text, direct.text)
         r = await http.post("/invocations", content='{"model_name": "h1", "mode": "metadata"}')
         assert r.status_code == 200 and r.text == client.metadata()
+        # Unknown fields are refused there too (they were ignored), a tile's included.
+        for extra in ('"junk": 1', f'"image_data": "{request_dict(0)["image_data"][:40]}"'):
+            content = f'{{"model_name": "h1", "mode": "metadata", {extra}}}'
+            p = assert_problem(await http.post("/invocations", content=content), 422)
+            assert extra.split(":")[0].strip('"') in p["detail"]
 
         bad_mode = json.dumps(request_dict(0, model_name="h1", mode="classify"))
         p = assert_problem(
@@ -973,6 +978,20 @@ async def test_invocations_in_every_mode(tiny_model):
         assert "colour" in p["detail"]
         bulk = json.dumps(request_dict(0, model_name="h1", mode="prediction", bulk_rna=[1.0]))
         assert_problem(await http.post("/invocations", content=bulk), 400, "unsupported-mode")
+
+
+async def test_invocations_name_a_mode_the_model_does_not_serve_as_the_caller_did(tiny_model):
+    class EmbedOnly(H1ServerModel):
+        modes = ("embed",)
+
+    model = EmbedOnly(tiny_model.checkpoint, tiny_model.assets, "cpu")
+    async with serving(create_app(fresh_client(model))) as http:
+        body = json.dumps(request_dict(0, model_name="h1", mode="prediction"))
+        p = assert_problem(await http.post("/invocations", content=body), 400, "unsupported-mode")
+        assert "invocation mode 'prediction'" in p["detail"]
+        assert "(supported: embedding, metadata)" in p["detail"]
+        body = json.dumps(request_dict(0, model_name="h1", mode="embedding"))
+        assert (await http.post("/invocations", content=body)).status_code == 200
 
 
 async def test_batch_route_takes_objects_or_bodies(tiny_model):

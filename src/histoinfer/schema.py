@@ -197,6 +197,16 @@ class InvocationEnvelope(BaseModel):
     mode: str
 
 
+class InvocationMetadataRequest(BaseModel):
+    """``POST /invocations`` body for ``mode: "metadata"``: the dispatch fields alone (unknown
+    fields are refused, as on every route)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model_name: str
+    mode: Literal["metadata"]
+
+
 class InvocationRequest(ModelRequest):
     """``POST /invocations`` body for the inference modes: a ``ModelRequest`` plus dispatch."""
 

@@ -55,6 +55,7 @@ from ..schema import (
     SCREENED_FROM,
     ForeignBody,
     InvocationEnvelope,
+    InvocationMetadataRequest,
     InvocationMode,
     InvocationRequest,
     Mode,
@@ -982,10 +983,19 @@ def create_app(
                 )
             client = state.client(envelope.model_name, arrival)
             if envelope.mode == "metadata":
+                parse_model(InvocationMetadataRequest, raw, "invocation")
                 return _json(client.metadata())
             invocation: InvocationRequest = parse_model(InvocationRequest, raw, "invocation")
+            mode = INVOCATION_MODES[envelope.mode]
+            served = client.server_model.modes
+            if mode not in served:  # in the caller's words, not the routes'
+                offered = [name for name, m in INVOCATION_MODES.items() if m in served]
+                raise UnsupportedModeError(
+                    f"model {envelope.model_name!r} does not support invocation mode "
+                    f"{envelope.mode!r} (supported: {', '.join([*offered, 'metadata'])})"
+                )
             body = invocation.to_model_request().model_dump_json()
-            return await answer(request, client, body, INVOCATION_MODES[envelope.mode], arrival)
+            return await answer(request, client, body, mode, arrival)
         return state.unanswered(arrival)
 
     def readiness() -> JSONResponse:
