@@ -260,6 +260,12 @@ def test_assets_from_another_folder(copy_of_tiny: Path, tmp_path: Path) -> None:
         ({"gene_names": []}, "gene_names"),
         ({"surprise": 1}, "surprise"),
         ({"trained": "maybe"}, "trained"),
+        # A typo is named, not guessed at (lax parsing took "no" as False, "224" as 224) ...
+        ({"trained": "no"}, "trained"),
+        ({"tile_size": "224"}, "tile_size"),
+        # ... and a tile no request could send is refused before the probe asks torch for
+        # 60 GB (a raw RuntimeError from deep in torch, a traceback on the command line).
+        ({"tile_size": 100_000}, "tile_size: Input should be less than or equal to 4096"),
     ],
 )
 def test_invalid_assets_name_the_file_and_field(

@@ -33,7 +33,9 @@ class ModelAssets(BaseModel):
     name: str
     version: str
     task: str = "gene-expression"
-    tile_size: int = Field(gt=0)
+    #: at most 4096, the side of the largest image a request may send (``max_image_pixels``);
+    #: a mistyped 100000 made the load-time probe ask torch for 60 GB
+    tile_size: int = Field(gt=0, le=4096)
     resolution: float = Field(gt=0, description="µm/px the model expects")
     mean: list[float] = Field(min_length=3, max_length=3)
     std: list[float] = Field(min_length=3, max_length=3)
@@ -122,7 +124,11 @@ def load_assets(assets_dir: str | Path) -> ModelAssets:
     except OSError as exc:
         raise CheckpointError(f"model assets {path} could not be read: {exc.strerror}") from None
     try:
-        assets = ModelAssets.model_validate_json(data, context={"directory": path.parent})
+        # Strict, as requests are: "tile_size": "224" or "trained": "no" is a typo to name,
+        # not a value to guess at.
+        assets = ModelAssets.model_validate_json(
+            data, strict=True, context={"directory": path.parent}
+        )
     except ValidationError as exc:
         problems = "; ".join(
             f"{'.'.join(map(str, e['loc'])) or 'file'}: {e['msg']}" for e in exc.errors()
