@@ -206,6 +206,9 @@ def test_reference_export_is_deterministic(tiny_model: ServerModel, tmp_path: Pa
     assert a.predictions is not None and b.predictions is not None
     assert torch.equal(a.predictions, b.predictions)
     assert not list(tmp_path.glob("*partial*")), "a half-written file was left behind"
+    # Byte for byte: the archive's top folder was named after a tagged temporary file, so
+    # every export had its own sha256 (the demo's provenance, the TorchScript cache's key).
+    assert again.checkpoint.sha256 == tiny_model.checkpoint.sha256
 
 
 def test_small_is_vit_s_sized() -> None:
@@ -226,7 +229,8 @@ def test_partial_files_are_private_and_renamed_only_when_complete(tmp_path: Path
     final = tmp_path / "model.pt2"
     with _partial(final) as a, _partial(final) as b:
         # Two writers of the same file (two first runs of the demo) never share a file.
-        assert a != b and a.suffix == b.suffix == ".pt2" and a.parent == tmp_path
+        assert a != b and a.name == b.name == "model.pt2"  # the archive's folder: "model"
+        assert a.parent.parent == b.parent.parent == tmp_path
         a.write_text("first")
         b.write_text("second")
         assert not final.exists()

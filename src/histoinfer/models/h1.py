@@ -13,7 +13,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -146,11 +146,18 @@ def _partial(final: Path) -> Iterator[Path]:
 
     A half-written file is never picked up, and two processes exporting into the same folder
     (two first runs of the demo) never write into the same file: the last rename wins, whole.
+    The path is ``final``'s own name in a private folder beside it: ``torch.export.save`` names
+    the archive's top folder after the file, and a tagged name made every export's bytes, and
+    so its sha256, differ.
     """
     tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    partial = final.with_name(f"{final.stem}.partial-{tag}{final.suffix}")
+    folder = final.with_name(f".{final.name}.partial-{tag}")
+    partial = folder / final.name
     try:
+        folder.mkdir()
         yield partial
         partial.replace(final)
     finally:
         partial.unlink(missing_ok=True)
+        with suppress(OSError):
+            folder.rmdir()
