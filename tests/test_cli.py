@@ -456,6 +456,16 @@ def test_demo_writes_the_file_it_names_and_records_the_weights(
     blocker.write_text("not a folder")
     code, _, err = run([*argv, "--out", str(blocker / "run.npz")], capsys)
     assert_one_line_error(code, err, f"--out {blocker / 'run.npz'}: cannot create its folder")
+    # A folder that exists: the default name inside it (it wrote a .npz beside the folder).
+    code, out, _ = run([*argv, "--out", str(tmp_path / "results")], capsys)
+    assert code == 0 and (tmp_path / "results" / "histoinfer-demo.npz").is_file()
+    assert not (tmp_path / "results.npz").exists()
+    # One that cannot be written to fails before the run, not after every tile.
+    # (/proc takes no new files, even from root, as CI runs.)
+    if not Path("/proc/self").is_dir():
+        pytest.skip("no /proc here")
+    code, _, err = run([*argv, "--out", "/proc/run.npz"], capsys)
+    assert_one_line_error(code, err, "--out /proc/run.npz: its folder cannot be written")
 
 
 def test_ctrl_c_while_a_command_imports_is_one_line(

@@ -210,7 +210,8 @@ def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--out",
         type=Path,
         default=Path("histoinfer-demo.npz"),
-        help="NPZ to write (default: histoinfer-demo.npz)",
+        help="NPZ to write, or a folder to write histoinfer-demo.npz in (default: "
+        "histoinfer-demo.npz)",
     )
     p.add_argument(
         "--size",

@@ -13,6 +13,7 @@ import base64
 import io
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -130,11 +131,18 @@ async def _run_all(client: InProcessClient, bodies: list[str], progress: _Progre
     return responses
 
 
+#: the file ``--out`` names when it is a folder (the CLI's default name)
+DEFAULT_NPZ = "histoinfer-demo.npz"
+
+
 def _npz_path(out: Path) -> Path:
-    """Where the results go, checked before the run: numpy adds ``.npz`` to a name without it
-    (so the path said is the one written), and a folder that cannot be made fails now, named
-    as ``--out``, not after every tile is computed."""
+    """Where the results go, checked before the run: an existing folder gets
+    :data:`DEFAULT_NPZ` inside it; numpy adds ``.npz`` to a name without it (so the path said
+    is the one written); and a folder that cannot be made or written to fails now, named as
+    ``--out``, not after every tile is computed."""
     out = out.expanduser()
+    if out.is_dir() and out.suffix != ".npz":
+        out = out / DEFAULT_NPZ
     if out.suffix != ".npz":
         out = out.with_name(out.name + ".npz")
     try:
@@ -143,6 +151,10 @@ def _npz_path(out: Path) -> Path:
         raise OSError(f"--out {out}: cannot create its folder ({exc})") from exc
     if out.is_dir():
         raise OSError(f"--out {out} is a folder: name the .npz file to write")
+    try:  # a file of our own beside it, gone at once: its folder takes new files
+        tempfile.TemporaryFile(dir=out.parent).close()
+    except OSError as exc:
+        raise OSError(f"--out {out}: its folder cannot be written to ({exc})") from exc
     return out
 
 
