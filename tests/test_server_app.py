@@ -105,6 +105,15 @@ async def test_read_only_routes_answer_head_and_name_both_methods_in_a_405(tiny_
             assert sorted(r.headers["allow"].split(", ")) == ["GET", "HEAD"], path
 
 
+async def test_a_batch_of_a_read_only_view_is_no_route(tiny_model):
+    """/api/metadata/{model} is a view with no batch: "unknown mode 'metadata'" was wrong."""
+    async with serving(create_app(fresh_client(tiny_model))) as http:
+        for view in ("metadata", "stats"):
+            r = await http.post(f"/api/{view}/h1/batch", json=[json.loads(make_body(0))])
+            p = assert_problem(r, 404)
+            assert p["detail"] == f"no route for POST /api/{view}/h1/batch"
+
+
 async def test_a_compressed_body_is_415_naming_the_encoding(tiny_model):
     """Regression: a gzip body was "not valid JSON (expected value at line 1 column 1)"."""
     async with serving(create_app(fresh_client(tiny_model))) as http:
@@ -1135,6 +1144,8 @@ async def test_openapi_documents_the_routes(tiny_model):
         assert "image_data" in body_schema["properties"]
         assert "application/problem+json" in post["responses"]["422"]["content"]
         assert [p["name"] for p in post["parameters"]] == ["mode", "model"]
+        for probe in ("/health/ready", "/ping"):  # what a load balancer must expect
+            assert set(spec["paths"][probe]["get"]["responses"]) >= {"200", "503"}
         docs = await http.get("/docs")
         assert docs.status_code == 200 and "swagger" in docs.text.lower()
 

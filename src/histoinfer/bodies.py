@@ -28,7 +28,8 @@ __all__ = ["tile_body"]
 PNG_COMPRESS_LEVEL = 1
 
 _ACCEPTED = (
-    "a PIL Image, or a numpy uint8 array of shape (H, W, 3) RGB, (H, W, 4) RGBA or (H, W) grayscale"
+    "a PIL Image, or a numpy uint8 array of shape (H, W, 3) RGB, (H, W, 4) RGBA, or (H, W) or "
+    "(H, W, 1) grayscale"
 )
 
 #: PIL modes whose samples are not 8-bit: converting them to RGB clips (16/32-bit integers) or
@@ -50,10 +51,10 @@ def tile_body(
     """One tile as a request body (a JSON string), ready for any client's ``predict*`` call.
 
     ``tile`` is a PIL Image of an 8-bit mode (``RGB``, ``RGBA``, ``L``, ``LA``, ``P``, ``1``,
-    ``CMYK``...) or a numpy ``uint8`` array: ``(H, W, 3)`` RGB, ``(H, W, 4)`` RGBA or ``(H, W)``
-    grayscale. Anything else (float or 16-bit pixels, other shapes, an empty tile) is refused
-    with a :class:`TypeError` or :class:`ValueError`. The pixels are sent as an RGB PNG, and
-    ``width``/``height`` are the tile's.
+    ``CMYK``...) or a numpy ``uint8`` array: ``(H, W, 3)`` RGB, ``(H, W, 4)`` RGBA, or ``(H, W)``
+    or ``(H, W, 1)`` grayscale. Anything else (float or 16-bit pixels, other shapes, an empty
+    tile) is refused with a :class:`TypeError` or :class:`ValueError`. The pixels are sent as
+    an RGB PNG, and ``width``/``height`` are the tile's.
 
     **Transparency is composited over** ``background`` (RGB, default white) before the alpha
     channel is dropped: ``out = (pixel * alpha + background * (255 - alpha)) / 255``, rounded.
@@ -146,9 +147,9 @@ def _array_pixels(array: np.ndarray) -> np.ndarray:
         if array.dtype.kind == "f":
             hint = " (float pixels are ambiguous, 0-1 or 0-255: scale and cast to uint8 first)"
         raise TypeError(f"tile is {what}; accepted: {_ACCEPTED}{hint}")
-    if not (array.ndim == 2 or (array.ndim == 3 and array.shape[2] in (3, 4))):
+    if not (array.ndim == 2 or (array.ndim == 3 and array.shape[2] in (1, 3, 4))):
         raise ValueError(f"tile is {what}; accepted: {_ACCEPTED}")
-    return array
+    return array[:, :, 0] if array.ndim == 3 and array.shape[2] == 1 else array
 
 
 def _composite(rgba: np.ndarray, background: np.ndarray) -> np.ndarray:

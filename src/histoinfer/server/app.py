@@ -116,6 +116,11 @@ _DRAIN_SECONDS = 5.0
 
 Status = Literal["loading", "ready", "failed", "closed"]
 
+#: readiness's other answer, for the OpenAPI document (the same JSON as its 200)
+_NOT_READY: dict[int | str, dict[str, Any]] = {
+    503: {"description": "a model is still loading or failed to load, or the server is draining"}
+}
+
 #: Route names that are GET-only views at ``/api/{name}/{model}``, not modes: a POST there is 405
 _READ_ONLY = ("metadata", "stats")
 
@@ -941,6 +946,8 @@ def create_app(
                     "server takes at once (--max-batch-calls); retry later"
                 )
             raw = await body_of(request, arrival)
+            if mode in _READ_ONLY:  # /api/metadata/{model} has no batch: no such route
+                raise StarletteHTTPException(404)
             checked, client = _mode(mode), state.client(model, arrival)
             verbatim = request.headers.get("content-type", "").startswith(BATCH_BODIES_JSON)
 
@@ -1010,12 +1017,12 @@ def create_app(
             content["errors"] = errors
         return JSONResponse(content, status_code=200 if state.ready else 503)
 
-    @read_only("/health/ready", tags=["health"])
+    @read_only("/health/ready", tags=["health"], responses=_NOT_READY)
     async def health_ready() -> JSONResponse:
         """200 once every model is loaded and warmed up; 503 while loading or draining."""
         return readiness()
 
-    @read_only("/ping", tags=["health"])
+    @read_only("/ping", tags=["health"], responses=_NOT_READY)
     async def ping() -> JSONResponse:
         """SageMaker's health check: the same as ``/health/ready``."""
         return readiness()
