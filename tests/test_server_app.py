@@ -1065,6 +1065,17 @@ async def test_metrics_read_the_client_stats(tiny_model):
     assert after["histoinfer_http_responses_total"][("h1", "predict", "422")] == 1
     assert ("h1", "predict", "0.5") in after["histoinfer_forward_seconds"]
     assert ("h1", "predict", "0.99") in after["histoinfer_queue_wait_seconds"]
+    # Histograms of every wait and pass, for aggregating over replicas.
+    waits, passes = "histoinfer_queue_wait_duration_seconds", "histoinfer_forward_duration_seconds"
+    assert after[f"{waits}_count"][key] == after["histoinfer_samples_total"][key]
+    assert after[f"{passes}_count"][key] == after["histoinfer_batches_total"][key]
+    assert after[f"{passes}_sum"][key] == pytest.approx(
+        after["histoinfer_forward_busy_seconds_total"][key]
+    )
+    for name in (waits, passes):
+        counts = [v for k, v in after[f"{name}_bucket"].items() if k[:2] == key]
+        assert counts == sorted(counts) and counts[-1] == after[f"{name}_count"][key]
+        assert after[f"{name}_bucket"][(*key, "+Inf")] == counts[-1]
     assert key in after["histoinfer_errors_total"]
     # There before any deadline was missed, at 0: an expression over it reads 0, not no data.
     assert before["histoinfer_errors_by_kind_total"][("h1", "predict", "deadline")] == 0.0

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from histoinfer.batching import BatchStats
+from histoinfer.batching import DURATION_BOUNDS, BatchStats
 from histoinfer.batching.stats import _WINDOW
 
 
@@ -36,6 +36,21 @@ def test_batches_histogram_mean_and_percentiles() -> None:
     assert snap.queue_wait_ms["p50"] <= snap.queue_wait_ms["p95"] <= snap.queue_wait_ms["p99"]
     assert snap.queue_wait_ms["p99"] == pytest.approx(100.0)
     assert snap.forward_busy_s == pytest.approx(sum(range(1, 101)) / 1000.0)
+
+
+def test_histograms_count_every_wait_and_pass_in_its_bucket() -> None:
+    stats = BatchStats()
+    assert stats.snapshot().queue_wait_buckets == [0] * (len(DURATION_BOUNDS) + 1)
+    stats.record_batch(3, [0.0002, 0.001, 20.0], 0.03)  # 0.001 is in the bucket it bounds
+    stats.record_batch(1, [0.004], 0.03)
+    snap = stats.snapshot()
+    waits = dict(zip([*DURATION_BOUNDS, "inf"], snap.queue_wait_buckets, strict=True))
+    filled = {bound: n for bound, n in waits.items() if n}
+    assert filled == {0.0005: 1, 0.001: 1, 0.005: 1, "inf": 1}
+    assert snap.queue_wait_total_s == pytest.approx(20.0052)
+    passes = dict(zip([*DURATION_BOUNDS, "inf"], snap.forward_buckets, strict=True))
+    assert {bound: n for bound, n in passes.items() if n} == {0.05: 2}
+    assert sum(snap.forward_buckets) == snap.batches and sum(snap.queue_wait_buckets) == 4
 
 
 def test_errors_cancellations_queue_depth_and_reset() -> None:

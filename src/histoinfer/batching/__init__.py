@@ -2,9 +2,10 @@
 
 from .perloop import PerLoop, call_soon_in_loop, current_loop_key, wait_future
 from .scheduler import BatchScheduler, Reservation
-from .stats import BatchStats, StatsSnapshot
+from .stats import DURATION_BOUNDS, BatchStats, StatsSnapshot
 
 __all__ = [
+    "DURATION_BOUNDS",
     "BatchScheduler",
     "BatchStats",
     "PerLoop",

@@ -7,15 +7,22 @@ queue wait and forward time percentiles, and the live queue depth answer that.
 from __future__ import annotations
 
 import threading
+from bisect import bisect_left
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-__all__ = ["BatchStats", "StatsSnapshot"]
+__all__ = ["DURATION_BOUNDS", "BatchStats", "StatsSnapshot"]
 
 # Percentiles are computed over the most recent samples: bounded memory, recent behaviour.
 _WINDOW = 20_000
+
+#: Upper bounds, in seconds, of the queue-wait and forward-time histograms (every sample
+#: since the start, unlike the percentiles): what Prometheus aggregates over replicas.
+DURATION_BOUNDS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
 
 
 def _percentiles(values: Iterable[float]) -> dict[str, float]:
@@ -44,6 +51,12 @@ class StatsSnapshot:
     cancelled: int
     queue_depth: int
     forward_busy_s: float = field(default=0.0)
+    #: requests by queue wait, per :data:`DURATION_BOUNDS` bucket (not cumulative; the last
+    #: is above the largest bound), and the waits' sum in seconds
+    queue_wait_buckets: list[int] = field(default_factory=list)
+    queue_wait_total_s: float = field(default=0.0)
+    #: batches by forward time, the same way (their sum is ``forward_busy_s``)
+    forward_buckets: list[int] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -67,15 +80,25 @@ class BatchStats:
             self._cancelled = 0
             self._queue_depth = 0
             self._forward_busy = 0.0
+            self._wait_buckets = [0] * (len(DURATION_BOUNDS) + 1)
+            self._wait_total = 0.0
+            self._forward_buckets = [0] * (len(DURATION_BOUNDS) + 1)
 
     def record_batch(self, size: int, queue_waits: Iterable[float], forward_s: float) -> None:
+        waits = list(queue_waits)
+        places = [bisect_left(DURATION_BOUNDS, wait) for wait in waits]  # outside the lock
         with self._lock:
             self._batches += 1
             self._samples += size
             self._histogram[size] += 1
-            self._queue_waits.extend(queue_waits)
+            self._queue_waits.extend(waits)
             self._forward_times.append(forward_s)
             self._forward_busy += forward_s
+            buckets = self._wait_buckets
+            for place in places:
+                buckets[place] += 1
+            self._wait_total += sum(waits)
+            self._forward_buckets[bisect_left(DURATION_BOUNDS, forward_s)] += 1
 
     def record_error(self, kind: str, count: int = 1) -> None:
         with self._lock:
@@ -106,6 +129,9 @@ class BatchStats:
                 cancelled=self._cancelled,
                 queue_depth=self._queue_depth,
                 forward_busy_s=self._forward_busy,
+                queue_wait_buckets=list(self._wait_buckets),
+                queue_wait_total_s=self._wait_total,
+                forward_buckets=list(self._forward_buckets),
             )
         return replace(
             counted,

@@ -33,6 +33,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ..batching import DURATION_BOUNDS
 from ..schema import MODES
 
 if TYPE_CHECKING:
@@ -261,6 +262,13 @@ class StatsCollector(Collector):
             g, "forward_seconds", "Forward pass time, quantiles over recent batches.", "quantile"
         )
         busy = _per_mode(c, "forward_busy_seconds", "Time spent in forward passes.")
+        h = HistogramMetricFamily
+        wait_histogram = _per_mode(
+            h, "queue_wait_duration_seconds", "Queue wait of every request (for aggregating)."
+        )
+        forward_histogram = _per_mode(
+            h, "forward_duration_seconds", "Forward pass time of every batch (for aggregating)."
+        )
         errors = _per_mode(c, "errors", "Forward passes that raised.")
         error_kinds = _per_mode(c, "errors_by_kind", "Errors by exception class.", "kind")
         cancelled = _per_mode(
@@ -292,6 +300,12 @@ class StatsCollector(Collector):
                     queue_wait.add_metric([*key, quantile], snap.queue_wait_ms[field] / 1000.0)
                     forward.add_metric([*key, quantile], snap.forward_ms[field] / 1000.0)
                 busy.add_metric(key, snap.forward_busy_s)
+                wait_histogram.add_metric(
+                    key, _cumulative(snap.queue_wait_buckets), sum_value=snap.queue_wait_total_s
+                )
+                forward_histogram.add_metric(
+                    key, _cumulative(snap.forward_buckets), sum_value=snap.forward_busy_s
+                )
                 errors.add_metric(key, snap.errors)
                 # "deadline" from the start, at 0: an expression over it (a hung device's
                 # alert, docs/server.md) reads no data, not 0, while a series is absent.
@@ -299,6 +313,7 @@ class StatsCollector(Collector):
                     error_kinds.add_metric([*key, kind], count)
                 cancelled.add_metric(key, snap.cancelled)
         yield from (ready, batches, samples, batch_size, depth, queue_wait, forward, busy)
+        yield from (wait_histogram, forward_histogram)
         yield from (errors, error_kinds, cancelled, *self._http_families())
         yield from self._runtime.collect()
 
@@ -332,6 +347,15 @@ class StatsCollector(Collector):
                 responses.add_metric([*key, str(status)], count)
             duration.add_metric(key, series.cumulative(), sum_value=series.total)
         return in_flight, responses, duration, held
+
+
+def _cumulative(counts: list[int]) -> list[tuple[str, float]]:
+    """Prometheus buckets from a snapshot's counts per :data:`DURATION_BOUNDS` bucket."""
+    running, buckets = 0, []
+    for bound, count in zip([*map(str, DURATION_BOUNDS), "+Inf"], counts, strict=True):
+        running += count
+        buckets.append((bound, float(running)))
+    return buckets
 
 
 def _per_mode(kind: Callable[..., _F], name: str, doc: str, *extra: str) -> _F:
