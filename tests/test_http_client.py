@@ -316,6 +316,18 @@ def test_errors_without_problem_json_keep_their_status(server):
     assert isinstance(error, InvalidRequestError)
 
 
+def test_an_error_carries_its_answers_request_id(server):
+    """What the caller quotes to whoever reads the server's log."""
+    client = HttpClient(server.base_url, "h1", headers={"X-Request-ID": "notebook-3"})
+    with client, pytest.raises(InvalidRequestError) as info:
+        client.predict("{")
+    assert info.value.request_id == "notebook-3"
+    request = httpx.Request("GET", server.base_url)
+    made = httpx.Response(500, text="boom", headers={"x-request-id": "ab12"}, request=request)
+    assert http_module._error_from(made).request_id == "ab12"
+    assert http_module._error_from(httpx.Response(500, request=request)).request_id is None
+
+
 def test_batches_go_through_the_batch_route(server, reference):
     bodies = [make_body(i) for i in range(5)]
     with HttpClient(server.base_url) as client:

@@ -1094,10 +1094,12 @@ async def test_a_failing_device_counts_no_batches_and_is_logged_once_with_its_tr
     app = create_app(fresh_client(model), warmup=False)
     async with serving(app) as http:
         before = await scrape(http)
+        named: list[str] = []
         with caplog.at_level("WARNING", logger="histoinfer"):
             for i in range(3):
                 r = await http.post("/api/predict/h1", content=make_body(i))
                 assert_problem(r, 500, "model-execution")
+                named.append(r.headers.get("x-request-id", ""))
         after = await scrape(http)
     key = ("h1", "predict")
     for name, grew in (("batches", 0), ("samples", 0), ("errors", 3)):
@@ -1109,6 +1111,53 @@ async def test_a_failing_device_counts_no_batches_and_is_logged_once_with_its_tr
     [logged] = [r for r in server_log if r.levelno >= logging.WARNING]
     assert logged.levelname == "ERROR" and "POST /api/predict/h1 answered 500" in logged.message
     assert logged.exc_info is not None and "device lost" in caplog.text  # the traceback
+    # The client can name the logged one to the operator: the ID its answer carried.
+    assert f"(request {named[0]}):" in logged.message and len(named[0]) == 16
+
+
+async def test_a_request_id_is_echoed_and_names_its_logged_error(tiny_model, caplog):
+    def broken(batch: Any) -> None:
+        raise RuntimeError("device lost")
+
+    model, _ = hooked_model(tiny_model, broken)
+    async with serving(create_app(fresh_client(model), warmup=False)) as http:
+        ok = await http.get("/health/live", headers={"X-Request-ID": "trace-7"})
+        assert ok.headers.get_list("x-request-id") == ["trace-7"]
+        bad = await http.post("/api/predict/h1", content="{", headers={"X-Request-ID": "r-1"})
+        assert bad.status_code == 422 and bad.headers.get_list("x-request-id") == ["r-1"]
+        assert "x-request-id" not in (await http.get("/health/live")).headers  # none made up
+        for junk in ("has space", "x" * 129):  # not echoed, nor put in a log line
+            r = await http.get("/health/live", headers={"X-Request-ID": junk})
+            assert "x-request-id" not in r.headers
+        with caplog.at_level("WARNING", logger="histoinfer.server"):
+            r = await http.post(
+                "/api/predict/h1", content=make_body(0), headers={"X-Request-ID": "job-42"}
+            )
+        assert r.status_code == 500 and r.headers.get_list("x-request-id") == ["job-42"]
+        assert "(request job-42):" in caplog.text
+
+
+async def test_an_unhandled_error_names_its_request_in_the_log_and_the_answer(
+    tiny_model, monkeypatch, caplog
+):
+    """A bug's answer is sent from outside the app's middleware: it carries the ID itself."""
+
+    def bug(mode: str) -> None:
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(app_module, "_mode", bug)
+    app = create_app(fresh_client(tiny_model))
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            with caplog.at_level("ERROR", logger="histoinfer.server"):
+                for sent in ({}, {"X-Request-ID": "mine"}):
+                    r = await http.post("/api/predict/h1", content=make_body(0), headers=sent)
+                    p = assert_problem(r, 500)
+                    assert "internal server error (ZeroDivisionError)" in p["detail"]
+                    [named] = r.headers.get_list("x-request-id")
+                    assert named == sent.get("X-Request-ID", named)
+                    assert f"(request {named})" in caplog.records[-1].message
 
 
 def test_the_log_throttle_says_how_many_it_left_out() -> None:

@@ -31,6 +31,10 @@ class InferenceError(Exception):
     problem_slug = "inference-error"
     title = "Inference error"
     http_status = 500
+    #: The ``X-Request-ID`` of the HTTP answer that carried this error (``HttpClient``): the
+    #: one the request sent, or the one the server made up to name it in its log (every
+    #: error it logs: 500s, and 503s that shed load). None in-process.
+    request_id: str | None = None
 
     @classmethod
     def problem_type(cls) -> str:

@@ -567,11 +567,13 @@ def _error_from(response: httpx.Response) -> InferenceError:
     """The exception InProcessClient raises, from a problem+json body: same class, message.
 
     An ``OverloadedError`` (a 503, or a gateway's 429) carries the answer's ``Retry-After``, in
-    seconds, as its ``retry_after``, for the caller's own back-off.
+    seconds, as its ``retry_after``, for the caller's own back-off; every error carries the
+    answer's ``X-Request-ID`` as its ``request_id``, which the server's log names.
     """
     error = _mapped_error(response)
     if isinstance(error, OverloadedError):
         error.retry_after = _retry_after(response.headers.get("retry-after"))
+    error.request_id = response.headers.get("x-request-id")
     return error
 
 

@@ -71,6 +71,7 @@ from .problems import (
     ModelNotReadyError,
     PayloadTooLargeError,
     Problem,
+    RequestIdMiddleware,
     RequestTimeoutError,
     UnknownModelError,
     install_problem_handlers,
@@ -837,6 +838,7 @@ def create_app(
     app.state.histoinfer = state
     install_problem_handlers(app, retry_after)
     app.add_middleware(_CountingMiddleware, counters=state.http)
+    app.add_middleware(RequestIdMiddleware)
 
     request_schema = ModelRequest.model_json_schema()
 

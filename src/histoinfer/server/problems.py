@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from http import HTTPStatus
 
@@ -21,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.routing import Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..errors import InferenceError, InvalidRequestError, OverloadedError
 
@@ -29,6 +31,7 @@ __all__ = [
     "ModelNotReadyError",
     "PayloadTooLargeError",
     "Problem",
+    "RequestIdMiddleware",
     "RequestTimeoutError",
     "UnknownModelError",
     "install_problem_handlers",
@@ -36,6 +39,56 @@ __all__ = [
 ]
 
 log = logging.getLogger("histoinfer.server")
+
+#: the header that names a request in the server's log and in its answer
+REQUEST_ID = "x-request-id"
+_REQUEST_ID_BYTES = REQUEST_ID.encode()
+#: a request's own ID is used, and echoed, only if it is this short and printable: it goes
+#: into log lines and headers
+_LONGEST_ID = 128
+
+
+def sent_request_id(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """The request's own ``X-Request-ID`` (from the ASGI scope's headers), if usable."""
+    for name, value in headers:
+        if name == _REQUEST_ID_BYTES:
+            ok = 0 < len(value) <= _LONGEST_ID and all(0x21 <= b <= 0x7E for b in value)
+            return value if ok else None
+    return None
+
+
+class RequestIdMiddleware:
+    """Echo a request's own ``X-Request-ID`` on its answer, whatever the answer (a request
+    with none costs one scan of its headers)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        sent = sent_request_id(scope["headers"]) if scope["type"] == "http" else None
+        if sent is None:
+            await self.app(scope, receive, send)
+            return
+
+        async def echo(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", ()))
+                if not any(name == _REQUEST_ID_BYTES for name, _ in headers):  # a logged error's
+                    message["headers"] = [*headers, (_REQUEST_ID_BYTES, sent)]
+            await send(message)
+
+        await self.app(scope, receive, echo)
+
+
+def logged_request_id(request: Request, response: Response) -> str:
+    """The ID a logged error answer is known by, set on ``response`` for the client: the
+    request's own, else a new one. (An unhandled error's answer is sent from outside the
+    app's middleware, so it is set here even when the request sent one.)"""
+    sent = sent_request_id(request.scope["headers"])
+    made = sent.decode() if sent is not None else uuid.uuid4().hex[:16]
+    response.headers["X-Request-ID"] = made
+    return made
+
 
 PROBLEM_JSON = "application/problem+json"
 
@@ -136,7 +189,9 @@ def _since(left_out: int, every: float) -> str:
     return f" ({left_out} more like it in the last {every:g} s)" if left_out else ""
 
 
-def log_answer(request: Request, exc: InferenceError, throttle: LogThrottle) -> None:
+def log_answer(
+    request: Request, exc: InferenceError, response: Response, throttle: LogThrottle
+) -> None:
     """Log what the operator must hear of an error answer, throttled by kind: a 500 (the model
     failed: with its traceback, which the client never sees) and a 503 that sheds load or
     misses a deadline (queue full, a device that hangs). A 4xx is the client's business and
@@ -153,10 +208,11 @@ def log_answer(request: Request, exc: InferenceError, throttle: LogThrottle) -> 
         return
     log.log(
         level,
-        "%s %s answered %d: %s%s",
+        "%s %s answered %d (request %s): %s%s",
         request.method,
         request.url.path,
         status,
+        logged_request_id(request, response),
         exc,
         _since(left_out, throttle.every),
         exc_info=exc if trace else None,
@@ -181,8 +237,9 @@ def install_problem_handlers(app: FastAPI, retry_after: int) -> None:
 
     async def inference_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, InferenceError)
-        log_answer(request, exc, throttle)
-        return error_response(exc, retry_after)
+        response = error_response(exc, retry_after)
+        log_answer(request, exc, response, throttle)
+        return response
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
@@ -207,11 +264,14 @@ def install_problem_handlers(app: FastAPI, retry_after: int) -> None:
 
     async def unexpected(request: Request, exc: Exception) -> Response:
         # A bug, not a bad request: log the traceback here, tell the caller only what happened.
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(
+        response = error_response(
             InferenceError(f"internal server error ({type(exc).__name__}); see the server log"),
             retry_after,
         )
+        named = logged_request_id(request, response)
+        path = request.url.path
+        log.exception("unhandled error on %s %s (request %s)", request.method, path, named)
+        return response
 
     async def client_gone(request: Request, exc: Exception) -> Response:
         # The client closed its connection before its body arrived: nothing failed here, and
