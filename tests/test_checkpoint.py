@@ -585,6 +585,48 @@ def test_a_program_exported_with_a_static_batch_is_refused_at_load(copy_of_tiny:
     )
 
 
+def test_a_program_exported_from_one_tile_is_refused_with_the_export_hint(
+    copy_of_tiny: Path,
+) -> None:
+    """The mistake checkpoints.md warns of: an example batch of 1 specializes the batch to 1.
+    The probe of two failed first, and its refusal said nothing of why (a user trial)."""
+    path = copy_of_tiny / "model.pt2"
+    torch.export.save(torch.export.export(_Means(), (torch.zeros(1, 3, 224, 224),)), str(path))
+    raises_naming(
+        path,
+        lambda: build_server_model("h1", path),
+        "[2, 3, 224, 224] probe batch",
+        "takes a batch of one tile only",
+        "dynamic batch dimension from 1",
+    )
+
+
+class _Embedding(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(dim=(2, 3)).repeat(1, VIT_SIZES["tiny"].dim // 3)
+
+
+def test_an_embedding_model_may_return_its_embedding_alone(copy_of_tiny: Path) -> None:
+    """checkpoints.md: a model serving embed alone needs no genes, and its program no
+    predictions; a program returning one tensor was refused ("got Tensor")."""
+
+    class EmbedOnly(H1ServerModel):
+        modes = ("embed",)
+
+    edit_assets(copy_of_tiny, gene_names=[])
+    path = save_program(_Embedding(), copy_of_tiny)
+    model = EmbedOnly.from_files(path)
+    tiles = torch.randint(0, 256, (3, 3, 224, 224), dtype=torch.uint8)
+    out = model.forward_batch(tiles, "embed")
+    assert out.predictions is None and out.embedding is not None
+    assert out.embedding.shape == (3, VIT_SIZES["tiny"].dim)
+    with InProcessClient(model) as client:
+        assert len(json.loads(client.embed(make_body(0)))["output"]) == VIT_SIZES["tiny"].dim
+    # A model that predicts too is told what such a program is for.
+    edit_assets(copy_of_tiny, gene_names=list(REFERENCE_GENE_PANEL))
+    raises_naming(path, lambda: build_server_model("h1", path), "got Tensor", "('embed',)")
+
+
 def test_a_batch_of_the_wrong_shape_is_refused_before_the_program_runs(
     tiny_model: ServerModel,
 ) -> None:

@@ -85,11 +85,17 @@ def _pixels(tiles: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
 log = logging.getLogger(__name__)
 
 # Why a program that took the probe's 2 tiles fails on 1: usually exported for a fixed batch.
-_LONE_PROBE_HINT = (
-    "; a lone request, and each part of a sharded pass, is one tile: export the program with "
-    "a dynamic batch dimension from 1 (dynamic_shapes={'x': {0: torch.export.Dim('batch', "
-    "min=1, max=4096)}}, docs/checkpoints.md) and keep that dimension in its outputs"
+_DYNAMIC_BATCH = (
+    "export the program with a dynamic batch dimension from 1 (dynamic_shapes={'x': {0: "
+    "torch.export.Dim('batch', min=1, max=4096)}}, docs/checkpoints.md) and keep that "
+    "dimension in its outputs"
 )
+_LONE_PROBE_HINT = (
+    "; a lone request, and each part of a sharded pass, is one tile: " + _DYNAMIC_BATCH
+)
+#: a program that takes one tile and fails on two: exported from an example batch of 1,
+#: which torch.export specializes to 1 (docs/checkpoints.md)
+_BATCH_OF_ONE_HINT = "; it takes a batch of one tile only (exported from one?): " + _DYNAMIC_BATCH
 #: Where loading an untrained checkpoint is announced, once a process for each (its own name:
 #: a harness that reports it already can silence it alone).
 untrained_log = logging.getLogger("histoinfer.untrained")
@@ -456,7 +462,11 @@ class ServerModel:
     def _run(self, x: torch.Tensor, mode: Mode) -> BatchOutput:
         predictions, embedding = self._run_program(x)
         return BatchOutput(
-            predictions=self._own(predictions.float().cpu()) if mode != "embed" else None,
+            predictions=(
+                self._own(predictions.float().cpu())
+                if mode != "embed" and predictions is not None
+                else None
+            ),
             embedding=self._own(embedding.float().cpu()) if mode != "predict" else None,
         )
 
@@ -489,7 +499,7 @@ class ServerModel:
         its input, or a view of it): the next batch overwrites that buffer."""
         return output.clone() if self._input_buffer.holds(output) else output
 
-    def _run_program(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run_program(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         size = self.assets.tile_size
         if x.dim() != 4 or tuple(x.shape[1:]) != (3, size, size):
             # The program's own input guards do not run when it is scripted (models/scripted.py).
@@ -501,10 +511,20 @@ class ServerModel:
             # A reduced-precision program: normalized in float32, then cast, once per batch.
             x = x.to(self.checkpoint.input_dtype)
         result = self.checkpoint.program(x)
+        embeds_only = self.modes == ("embed",)
+        if embeds_only and isinstance(result, torch.Tensor):
+            return None, result  # an embedding model's program: its embedding alone
         if not isinstance(result, Sequence) or len(result) != 2:
+            wanted = "its embedding (a tensor) or " if embeds_only else ""
+            hint = (
+                ""
+                if embeds_only
+                else "; a program returning one tensor, its embedding, serves a model class "
+                "whose modes are ('embed',) (docs/checkpoints.md)"
+            )
             raise CheckpointError(
-                f"checkpoint {self.checkpoint.path} must return (predictions, embedding), "
-                f"got {type(result).__name__}"
+                f"checkpoint {self.checkpoint.path} must return {wanted}(predictions, "
+                f"embedding), got {type(result).__name__}{hint}"
             )
         return result[0], result[1]
 
@@ -578,7 +598,10 @@ class ServerModel:
                 except Exception as exc:
                     why = f"fails on a channels-last batch of {n}: {first_line(exc)}"
                     return f"contiguous (the program {why})"
-            if not all(torch.equal(a, b) for a, b in zip(want, got, strict=True)):
+            if not all(
+                a is b is None or (a is not None and b is not None and torch.equal(a, b))
+                for a, b in zip(want, got, strict=True)
+            ):
                 return f"contiguous (the program's outputs differ on a channels-last batch of {n})"
             compared += 1
         return CHANNELS_LAST if compared else "contiguous (the program took no probe batch)"
@@ -604,7 +627,10 @@ class ServerModel:
                 except CheckpointError:
                     raise
                 except Exception as exc:
-                    hint = "" if n == 2 else _LONE_PROBE_HINT
+                    if n == 1:
+                        hint = _LONE_PROBE_HINT
+                    else:
+                        hint = _BATCH_OF_ONE_HINT if self._takes_one_tile(mode) else ""
                     raise CheckpointError(
                         f"checkpoint {self.checkpoint.path} failed on a [{n}, 3, {size}, {size}] "
                         f"probe batch ({mode}): {first_line(exc)}{hint}"
@@ -619,6 +645,15 @@ class ServerModel:
                     self._check_output("predictions", out.predictions, (n, genes))
                 if mode != "predict":
                     self._check_output("embedding", out.embedding, (n, self.assets.embedding_size))
+
+    def _takes_one_tile(self, mode: Mode) -> bool:
+        """Whether a pass of one tile works (asked once a probe of two has failed)."""
+        size = self.assets.tile_size
+        try:
+            self.forward_batch(torch.zeros((1, 3, size, size), dtype=torch.uint8), mode)
+        except Exception:
+            return False
+        return True
 
     def _check_output(self, name: str, tensor: object, shape: tuple[int, int]) -> None:
         """One output of the load-time probe: a tensor of the shape model.json describes (for
