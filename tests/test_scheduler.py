@@ -390,6 +390,23 @@ async def test_a_wrong_result_count_fails_only_its_own_item() -> None:
     assert results == {i: 10 * i for i in range(8) if i != 5}
 
 
+@pytest.mark.parametrize(
+    "answer",
+    [lambda items: {i: 10 * i for i in items}, lambda items: (10 * i for i in items), set],
+    ids=["dict", "generator", "set"],
+)
+async def test_results_that_are_no_sequence_fail_naming_what_came_back(answer: Any) -> None:
+    """A dict of the right length answered each caller with a key, silently (a user trial);
+    a generator failed with "object of type 'generator' has no len()"."""
+    sched = BatchScheduler(answer, max_batch_size=4)
+    with anyio.fail_after(10):
+        with pytest.raises(
+            TypeError, match=r"must return one result per item.*got (dict|generator|set)"
+        ):
+            await sched.submit(3)
+    await sched.aclose()
+
+
 @pytest.mark.parametrize("site", ["_collect", "_execute"])
 async def test_a_scheduler_crash_fails_the_pending_and_the_next_call_works(
     site: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
@@ -532,12 +549,16 @@ def test_a_queue_bound_below_the_batch_size_is_warned_about(
 
 
 def test_invalid_settings_are_refused() -> None:
-    with pytest.raises(ValueError, match="max_batch_size"):
-        BatchScheduler(list, max_batch_size=0)
-    with pytest.raises(ValueError, match="max_wait_ms"):
-        BatchScheduler(list, max_wait_ms=float("nan"))
-    with pytest.raises(ValueError, match="max_queue"):
-        BatchScheduler(list, max_queue=0)
+    for bad in (0, 2.5, True, "8"):  # 2.5 was taken (a user trial)
+        with pytest.raises(ValueError, match="max_batch_size must be an int >= 1"):
+            BatchScheduler(list, max_batch_size=bad)  # type: ignore[arg-type]
+    for wait in (float("nan"), float("inf"), -1):
+        with pytest.raises(ValueError, match="max_wait_ms must be a finite number >= 0"):
+            BatchScheduler(list, max_wait_ms=wait)
+    for queue in (0, 1.5):
+        with pytest.raises(ValueError, match="max_queue must be an int >= 1 or None"):
+            BatchScheduler(list, max_queue=queue)  # type: ignore[arg-type]
+    BatchScheduler(list, max_batch_size=2, max_wait_ms=0, max_queue=None)
 
 
 def test_a_coroutine_batch_function_is_refused_at_once() -> None:

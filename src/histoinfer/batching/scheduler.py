@@ -43,7 +43,8 @@ import logging
 import math
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence, Sized
+from collections.abc import Set as AbstractSet
 from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from functools import partial
@@ -55,6 +56,7 @@ import anyio.to_thread
 import sniffio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from ..arguments import check_count, check_seconds
 from ..errors import ClientClosedError, DeadlineExceededError, InferenceError, ThreadAbortedError
 from .admission import Admission, deadline_exceeded, deadline_from
 from .perloop import call_soon_in_loop, current_loop_key, wait_future
@@ -201,12 +203,9 @@ class BatchScheduler(Generic[T, R]):
                 f"{name}: batch_fn must be a plain function (it runs in a worker thread), got "
                 f"the coroutine function {batch_fn!r}: call it there with anyio.from_thread.run"
             )
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        if not (max_wait_ms >= 0 and math.isfinite(max_wait_ms)):
-            raise ValueError(f"max_wait_ms must be a finite number >= 0, got {max_wait_ms}")
-        if max_queue is not None and max_queue < 1:
-            raise ValueError(f"max_queue must be >= 1 or None, got {max_queue}")
+        check_count("max_batch_size", max_batch_size)  # 2.5 was taken
+        check_seconds("max_wait_ms", max_wait_ms, zero_ok=True)
+        check_count("max_queue", max_queue, none_ok=True)
         if max_queue is not None and max_queue < max_batch_size:
             # Ray Serve #43288: an admission cap below the batch size caps every batch.
             log.warning(
@@ -677,6 +676,13 @@ class BatchScheduler(Generic[T, R]):
             # Timed here, on its thread: from the loop, the time would include the hand-offs
             # and the loop's wake-up, and under load its wait for the thread.
             self._ran_s += time.perf_counter() - started
+        if isinstance(results, (Mapping, AbstractSet, str, bytes)) or not isinstance(
+            results, Sized
+        ):  # a dict's keys would be taken for results, silently
+            raise TypeError(
+                f"{self.name}: batch function must return one result per item, in order (a "
+                f"list, a tuple, an array), got {type(results).__name__}"
+            )
         if len(results) != len(live):
             raise RuntimeError(
                 f"{self.name}: batch function returned {len(results)} results for {len(live)} items"

@@ -43,6 +43,7 @@ import httpx
 import pydantic_core
 import sniffio
 
+from ..arguments import check_count, check_seconds
 from ..errors import (
     ClientClosedError,
     InferenceError,
@@ -52,7 +53,6 @@ from ..errors import (
 )
 from ..protocol import documented_as_client
 from ..schema import ForeignBody, Mode, not_a_json_string, parse_request
-from .arguments import check_count, check_seconds
 from .lifecycle import CLIENT_CLOSED, ClosingContext, InFlight, running_loop_here
 
 if TYPE_CHECKING:

@@ -53,6 +53,7 @@ import anyio.to_thread
 import torch
 from anyio._core._eventloop import threadlocals as _anyio_threadlocals
 
+from ..arguments import check_count, check_flag, check_seconds
 from ..batching import (
     BatchScheduler,
     BatchStats,
@@ -76,7 +77,6 @@ from ..models.openmp import thread_count
 from ..models.registry import build_server_model
 from ..protocol import documented_as_client
 from ..schema import MODES, BatchingSettings, Mode, ModelRequest, locate, parse_request
-from .arguments import check_count, check_flag, check_seconds
 from .cores import CoreShare
 from .lifecycle import CLIENT_CLOSED, ClosingContext, InFlight, running_loop_here
 from .portal import PortalThread
