@@ -10,6 +10,7 @@ if __name__ == "__main__":
     raise SystemExit(
         main(
             prog="python benchmarks/lone_latency.py",
+            description=__doc__,
             defaults=["--suites", "latency", "--out", "bench-results/latency"],
         )
     )

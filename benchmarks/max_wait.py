@@ -84,13 +84,16 @@ def _quantiles(values: list[float]) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--waits", default="2,5,10,20", help="max_wait_ms values to compare")
-    parser.add_argument("--in-flight", default="4,8,16", help="callers, comma-separated")
-    parser.add_argument("--calls", default="async,threads", help="async, threads or both")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--bodies", type=int, default=384, help="tiles a measurement")
-    parser.add_argument("--workdir", type=Path, default=default_workdir())
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add = parser.add_argument
+    add("--waits", default="2,5,10,20", help="max_wait_ms values to compare (default: %(default)s)")
+    add("--in-flight", default="4,8,16", help="callers, comma-separated (default: %(default)s)")
+    add("--calls", default="async,threads", help="async, threads or both (default: %(default)s)")
+    add("--rounds", type=int, default=3, help="interleaved rounds (default: %(default)s)")
+    add("--bodies", type=int, default=384, help="tiles a measurement (default: %(default)s)")
+    add("--workdir", type=Path, default=default_workdir(), help="checkpoint and body cache")
     args = parser.parse_args()
     waits = [w.strip() for w in args.waits.split(",")] + [EXPLICIT]
     for wait in waits[:-1]:

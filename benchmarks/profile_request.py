@@ -10,6 +10,7 @@ if __name__ == "__main__":
     raise SystemExit(
         main(
             prog="python benchmarks/profile_request.py",
+            description=__doc__,
             defaults=["--suites", "profile", "--out", "bench-results/profile"],
         )
     )

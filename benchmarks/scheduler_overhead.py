@@ -10,6 +10,7 @@ if __name__ == "__main__":
     raise SystemExit(
         main(
             prog="python benchmarks/scheduler_overhead.py",
+            description=__doc__,
             defaults=["--suites", "overhead", "--out", "bench-results/overhead"],
         )
     )

@@ -18,4 +18,6 @@ DEFAULTS = [
 ]
 
 if __name__ == "__main__":
-    raise SystemExit(main(prog="python benchmarks/throughput.py", defaults=DEFAULTS))
+    raise SystemExit(
+        main(prog="python benchmarks/throughput.py", defaults=DEFAULTS, description=__doc__)
+    )

@@ -255,15 +255,25 @@ def main(
     *,
     prog: str = "histoinfer bench",
     defaults: Sequence[str] = (),
+    description: str | None = None,
 ) -> int:
     """Run as a script (``benchmarks/*.py``): the options of ``histoinfer bench``.
 
-    ``defaults`` are options the script puts before the user's own (which override them).
+    ``defaults`` are options the script puts before the user's own (which override them);
+    ``--help`` shows them, after ``description`` (the script's docstring), as written.
     """
     import logging
 
-    parser = argparse.ArgumentParser(prog=prog)
+    epilog = f"this script's own defaults, before yours: {' '.join(defaults)}" if defaults else None
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=description,
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     configure(parser)
+    if description is not None:  # the script's own words, not the command's
+        parser.description = description
     user = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args([*defaults, *user])
     args._prog = prog

@@ -154,12 +154,17 @@ def ensure_checkpoint(size: str, workdir: Path, log: Log, dtype: str = "float32"
 
 def tiny_script(doc: str, bodies: int) -> tuple[argparse.Namespace, ServerModel, list[str]]:
     """What the single-question scripts in ``benchmarks/`` share: ``--workdir`` and ``--reps``
-    options (described by ``doc``'s first line), the tiny reference model, ``bodies`` bodies."""
+    options (``doc``, the script's docstring, describes them), the tiny reference model,
+    ``bodies`` bodies."""
     from ..models.registry import build_server_model
 
-    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-    parser.add_argument("--workdir", type=Path, default=default_workdir())
-    parser.add_argument("--reps", type=int, default=3)
+    parser = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--workdir", type=Path, default=default_workdir(), help="checkpoint and body cache"
+    )
+    parser.add_argument("--reps", type=int, default=3, help="repetitions (default: %(default)s)")
     args = parser.parse_args()
     model = build_server_model("h1", ensure_checkpoint("tiny", args.workdir, print))
     return args, model, load_bodies(bodies, 0, args.workdir, print)
