@@ -664,11 +664,17 @@ def test_a_disturbed_round_is_flagged_and_decides_nothing() -> None:
             ("raw", 100.0, [100.0, 100.0, 100.0]),
             ("explicit", 90.0, [90.0, 20.0, 91.0]),
             ("dynamic-asyncio", 101.0, [101.0, 99.0, 102.0]),
+            # Two rounds slowed, one clean: the clean one is not the disturbed one (a user
+            # trial's note called it "the machine, not the path").
+            ("bs1-asyncio", 30.0, [30.0, 29.0, 95.0]),
         )
     ]
     notes = {n["path"]: n["note"] for n in suspect_rows(rows)}
-    assert set(notes) == {"explicit", "dynamic-asyncio"}
-    assert "disturbed round 2 (20.0 tiles/s)" in notes["explicit"]
+    assert set(notes) == {"explicit", "dynamic-asyncio", "bs1-asyncio"}
+    assert "round 2 (20.0 tiles/s) more than 3x slower than the median" in notes["explicit"]
+    assert "the median stands on the others" in notes["explicit"]
+    assert "round 3 (95.0 tiles/s) more than 3x faster" in notes["bs1-asyncio"]
+    assert "the median, were slowed by the machine" in notes["bs1-asyncio"]
     assert "above the raw forward pass's 100.0" in notes["dynamic-asyncio"]
 
 

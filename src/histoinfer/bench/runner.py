@@ -586,17 +586,26 @@ def suspect_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
     for row in rows:
         model, name = row["model"], row["path"]
         where = f"{_mode_name(row)}{row['in_flight']} in flight"
-        rounds = row["throughput_rounds"]
+        rounds, median = row["throughput_rounds"], row["throughput"]
         off = disturbed_rounds(rounds)
-        if off:
-            which = ", ".join(f"{i + 1} ({rounds[i]:.1f} tiles/s)" for i in off)
+        # A busy machine slows a round: one far slower than the median was disturbed, and
+        # the median stands on the others; one far faster says the others, and so the
+        # median, were slowed.
+        for slower, fate in (
+            (True, "the machine, not the path; the median stands on the others"),
+            (False, "the other rounds, and so the median, were slowed by the machine"),
+        ):
+            these = [i for i in off if (rounds[i] < median) == slower]
+            if not these:
+                continue
+            which = ", ".join(f"{i + 1} ({rounds[i]:.1f} tiles/s)" for i in these)
+            how = "slower" if slower else "faster"
             notes.append(
                 {
                     "model": model,
                     "path": name,
-                    "note": f"{where}: disturbed round{'s' * (len(off) > 1)} {which}, more "
-                    f"than {DISTURBED:g}x off the median ({row['throughput']:.1f}): the "
-                    "machine, not the path; the median stands on the others",
+                    "note": f"{where}: round{'s' * (len(these) > 1)} {which} more than "
+                    f"{DISTURBED:g}x {how} than the median ({median:.1f}): {fate}",
                 }
             )
         limit = raw.get((model, row["mode"], row["concurrency"]))
