@@ -594,7 +594,7 @@ async def test_full_queue_answers_503_at_once(tiny_model, overload, caplog):
                     assert "queue full" in p["detail"]
                     # Shedding load is logged (throttled), or an operator without an access
                     # log sees nothing of it.
-                    assert "answered 503: " in caplog.text and "queue full" in caplog.text
+                    assert "answered 503 (request " in caplog.text and "queue full" in caplog.text
                     model.gate.set()
         finally:
             model.gate.set()
