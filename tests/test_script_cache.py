@@ -138,11 +138,15 @@ def test_entries_unused_for_a_month_and_abandoned_writes_are_pruned(
     [entry] = entries(cache)
     month = script_cache.UNUSED_DAYS * 86400
     long_ago = time.time() - month - 3600
-    stale, recent = cache / f"{'0' * 64}-torch0-old.pt", cache / f"{'1' * 64}-torch0-new.pt"
-    dead, writing = cache / ".dead.tmp", cache / ".writing.tmp"
-    for path in (stale, recent, dead, writing):
+    name = f"-torch0-histoinfer0-{'a' * 12}.pt"
+    stale, recent = cache / f"{'0' * 64}{name}", cache / f"{'1' * 64}{name}"
+    dead, writing = cache / ".histoinfer-dead.tmp", cache / ".histoinfer-writing.tmp"
+    # The cache may be a folder of the user's own (HISTOINFER_SCRIPT_CACHE): their files stay,
+    # however old (a review: a 40-day-old resnet.pt would have gone).
+    theirs = [cache / "resnet_trained.pt", cache / ".vim-swap.tmp", cache / f"{'2' * 64}.pt"]
+    for path in (stale, recent, dead, writing, *theirs):
         path.write_bytes(b"x")
-    for path in (stale, dead):
+    for path in (stale, dead, *theirs):
         os.utime(path, (long_ago, long_ago))
     os.utime(recent, (time.time() - month + 3600,) * 2)
     os.utime(entry, (long_ago, long_ago))
@@ -152,8 +156,8 @@ def test_entries_unused_for_a_month_and_abandoned_writes_are_pruned(
     assert stale.exists()  # nothing was written: nothing pruned
     entry.unlink()
     build_server_model("h1", tiny_checkpoint)  # written again, and the folder pruned
-    assert entries(cache) == sorted([entry, recent])
-    assert not dead.exists() and writing.exists()
+    assert entries(cache) == sorted([entry, recent, theirs[0], theirs[2]])
+    assert not dead.exists() and writing.exists() and theirs[1].exists()
 
 
 def test_an_entry_that_reads_back_differently_is_not_kept(

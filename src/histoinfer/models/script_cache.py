@@ -36,6 +36,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import stat
 import tempfile
 import time
@@ -55,6 +56,11 @@ _META = "histoinfer.json"
 UNUSED_DAYS = 30
 #: a temporary file this old was left by a writer that died (a write takes seconds)
 _ABANDONED_S = 3600.0
+#: what an entry's and a temporary file's names look like: pruning deletes nothing else, for
+#: ``$HISTOINFER_SCRIPT_CACHE`` may name a folder that holds the user's own ``.pt`` files
+_ENTRY_NAME = re.compile(r"[0-9a-f]{64}-torch.+-histoinfer.+-[0-9a-f]{12}\.pt")
+_TEMPORARY_PREFIX = ".histoinfer-"
+_TEMPORARY_NAME = re.compile(re.escape(_TEMPORARY_PREFIX) + r".+\.tmp")
 
 
 def cache_dir() -> Path | None:
@@ -128,7 +134,9 @@ def save(sha256: str, module: torch.jit.ScriptModule, input_dtype: torch.dtype) 
     meta = {"sha256": sha256, "input_dtype": str(input_dtype).removeprefix("torch.")}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
+        handle, temporary = tempfile.mkstemp(
+            dir=path.parent, prefix=_TEMPORARY_PREFIX, suffix=".tmp"
+        )
         os.close(handle)
         try:
             torch.jit.save(module, temporary, _extra_files={_META: json.dumps(meta)})
@@ -167,12 +175,15 @@ def _code(module: torch.nn.Module) -> str | None:
 
 
 def _prune(folder: Path, keep: Path) -> None:
-    """Delete entries unused for :data:`UNUSED_DAYS` days and abandoned temporary files."""
+    """Delete entries unused for :data:`UNUSED_DAYS` days and abandoned temporary files: only
+    files named as this module names them."""
     now = time.time()
     for path in folder.glob("*.pt"):
-        _delete_if_older(path, now - UNUSED_DAYS * 86400.0, keep)
-    for path in folder.glob(".*.tmp"):
-        _delete_if_older(path, now - _ABANDONED_S, keep)
+        if _ENTRY_NAME.fullmatch(path.name):
+            _delete_if_older(path, now - UNUSED_DAYS * 86400.0, keep)
+    for path in folder.glob(f"{_TEMPORARY_PREFIX}*.tmp"):
+        if _TEMPORARY_NAME.fullmatch(path.name):
+            _delete_if_older(path, now - _ABANDONED_S, keep)
 
 
 def _delete_if_older(path: Path, before: float, keep: Path) -> None:
