@@ -657,6 +657,31 @@ async def test_bodies_past_the_servers_room_get_503_and_their_bytes_come_back(ti
         assert state.http.bodies_held == 0
 
 
+async def test_a_declared_body_holds_only_what_has_arrived(tiny_model):
+    """A client declaring a large body and sending little of it pins only what it sent (it
+    reserved the whole declared length: 16 such clients held a server's room for a minute
+    each, answering everyone else 503; a review). One that cannot fit now is still refused
+    before any of it is read, and a /batch call takes its place only once its body is in."""
+    body = make_body(0).encode()
+    app = create_app(fresh_client(tiny_model), max_body_bytes=len(body), max_held_bytes=len(body))
+    state = app.state.histoinfer
+    async with serving(app) as http:
+        go_on = anyio.Event()
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                sent = await start_upload(tg, app, body[:100], go_on, body[100:])
+                while state.http.bodies_held < 100:
+                    await anyio.sleep(0.01)
+                assert state.http.bodies_held == 100  # not the declared len(body)
+                assert state.batch_calls == 0
+                # Another whole body does not fit beside those 100 bytes: refused at once.
+                r = await http.post("/api/predict/h1", content=body)
+                assert_problem(r, 503, "overloaded")
+                go_on.set()
+        assert sent[0]["status"] == 200
+        assert state.http.bodies_held == 0
+
+
 async def test_max_held_bytes_must_hold_one_body(tiny_model):
     with pytest.raises(ValueError, match=r"max_held_bytes \(999\) must be at least max_body"):
         create_app(fresh_client(tiny_model), max_body_bytes=1000, max_held_bytes=999)

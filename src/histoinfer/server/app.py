@@ -172,12 +172,16 @@ class Arrival:
         self._state.http.bodies_held -= self.held
         return bool(self.scope.__exit__(*exc_info))
 
+    def fits(self, size: int) -> bool:
+        """Whether ``size`` more bytes of body would fit in the server's room now."""
+        limit = self._state.max_held_bytes
+        return limit is None or self._state.http.bodies_held + size <= limit
+
     def hold(self, size: int) -> bool:
         """Count ``size`` more bytes of its body, if the server has room for them."""
-        counters, limit = self._state.http, self._state.max_held_bytes
-        if limit is not None and counters.bodies_held + size > limit:
+        if not self.fits(size):
             return False
-        counters.bodies_held += size
+        self._state.http.bodies_held += size
         self.held += size
         return True
 
@@ -459,25 +463,27 @@ async def read_body(request: Request, limit: int, arrival: Arrival | None = None
     Each chunk tells ``arrival`` the body is making progress (:meth:`ServerState.watch_bodies`)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
-        await refuse_unread(request)
+        await refuse_unread(request, arrival)
         raise PayloadTooLargeError(
             f"request body is {int(declared)} bytes; the limit is {limit} bytes"
         )
-    if arrival is not None and declared.isdigit() and not arrival.hold(int(declared)):
-        await refuse_unread(request)  # no room for it: refused before any of it is read
+    # A declared body that does not fit now is refused before any of it is read. Nothing is
+    # reserved by the header: bytes count as they arrive, or a client declaring 64 MiB and
+    # sending nothing would pin that much of the room (a review).
+    if arrival is not None and declared.isdigit() and not arrival.fits(int(declared)):
+        await refuse_unread(request, arrival)
         raise arrival.no_room()
-    holder = None if declared.isdigit() else arrival  # chunked: counted as it comes
     chunks: list[bytes] = []
     size = 0
     stream = request.stream()
     async for chunk in stream:
         size += len(chunk)
         if size > limit:
-            await _discard(stream, size)
+            await _discard(stream, size, arrival)
             raise PayloadTooLargeError(f"request body is over the limit of {limit} bytes")
-        if holder is not None and not holder.hold(len(chunk)):
-            await _discard(stream, size)
-            raise holder.no_room()
+        if arrival is not None and not arrival.hold(len(chunk)):
+            await _discard(stream, size, arrival)
+            raise arrival.no_room()
         chunks.append(chunk)
         if arrival is not None:  # the timeout runs between chunks: a slow link is no stall
             arrival.reading_since = time.monotonic()
@@ -493,18 +499,22 @@ async def read_body(request: Request, limit: int, arrival: Arrival | None = None
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-async def refuse_unread(request: Request) -> None:
+async def refuse_unread(request: Request, arrival: Arrival | None = None) -> None:
     """Before refusing a request whose body is not read yet: its body, read and dropped, so
     that the client sees the answer rather than a connection reset."""
     # A client that sent "Expect: 100-continue" waits for the server's go-ahead, which
     # reading the body would give: refused now, it never uploads the body at all.
     if request.headers.get("expect", "").lower() != "100-continue":
-        await _discard(request.stream(), 0)
+        await _discard(request.stream(), 0, arrival)
 
 
-async def _discard(stream: AsyncIterator[bytes], already: int) -> None:
+async def _discard(stream: AsyncIterator[bytes], already: int, arrival: Arrival | None) -> None:
     """The rest of ``stream`` (the body being read), read and dropped. The same iterator:
-    a second ``request.stream()`` raises once the body's last chunk has arrived."""
+    a second ``request.stream()`` raises once the body's last chunk has arrived. The body
+    timeout no longer watches it: the answer is decided (a slow drain would have turned it
+    into a 408 saying no part of the body arrived)."""
+    if arrival is not None:
+        arrival.reading_since = None
     size = already
     with anyio.move_on_after(_DRAIN_SECONDS):
         async for chunk in stream:
@@ -780,16 +790,18 @@ def create_app(
             any is parsed as a request; None: no limit. A batch holds every tile until all
             are decoded (SPEC §2.2, all or nothing), and a body of millions of tiny elements
             cost minutes of CPU and gigabytes; 4096 is more 224-px tiles than 64 MiB holds.
-        max_batch_calls: the most ``/batch`` calls in progress at once, across models and
-            modes; another is answered 503 ``overloaded`` (with ``Retry-After``) at once, its
-            body read and dropped, as a full queue answers a tile. None: no limit. Each call
-            holds its body, then every tile it decoded, so this bounds the memory batches
-            take (4 × 64 MiB bodies); the device runs one pass at a time, and a few calls
-            keep it as busy as many (docs/server.md, "Load shedding").
+        max_batch_calls: the most ``/batch`` calls parsed or run at once, across models and
+            modes: a call takes its place once its body is read (bodies still uploading
+            count in ``max_held_bytes``, so slow uploads cannot hold every place); past it,
+            a call is answered 503 ``overloaded`` (with ``Retry-After``), as a full queue
+            answers a tile. None: no limit. Each call holds every tile it decoded, so this
+            bounds the memory batches take; the device runs one pass at a time, and a few
+            calls keep it as busy as many (docs/server.md, "Load shedding").
         max_held_bytes: the most bytes of request bodies held at once, over every request,
-            each counted from its first byte until it is answered; a body that does not fit
-            is answered 503 ``overloaded`` (with ``Retry-After``), by its ``Content-Length``
-            before any of it is read. None: 1 GiB, or 16 × ``max_body_bytes`` if more. It
+            each byte counted as it arrives, until its request is answered; a body that does
+            not fit is answered 503 ``overloaded`` (with ``Retry-After``), before any of it is
+            read when its ``Content-Length`` already does not fit in what is free (nothing is
+            reserved by the header). None: 1 GiB, or 16 × ``max_body_bytes`` if more. It
             must be at least ``max_body_bytes``; a server that wants no such bound passes a
             number larger than its memory.
 
@@ -940,37 +952,45 @@ def create_app(
 
         Answers a JSON list, or one response per line if the request accepts NDJSON.
         """
-        with state.arrived() as arrival, state.batch_call() as admitted:
-            if not admitted:
-                await refuse_unread(request)
-                raise OverloadedError(
-                    f"{state.max_batch_calls} /batch calls are in progress, the most this "
-                    "server takes at once (--max-batch-calls); retry later"
-                )
+        with state.arrived() as arrival:
+            # The body first (its bytes count in --max-bodies-mb as they arrive): a slot
+            # taken before it would let slow uploads hold every slot (a review).
             raw = await body_of(request, arrival)
             if mode in _READ_ONLY:  # /api/metadata/{model} has no batch: no such route
                 raise StarletteHTTPException(404)
             checked, client = _mode(mode), state.client(model, arrival)
-            verbatim = request.headers.get("content-type", "").startswith(BATCH_BODIES_JSON)
-
-            def run() -> list[str]:
-                # Parsed here, not on the event loop: a 60 MB batch's list and its bodies
-                # written back to JSON held the loop (every other request) for 50-240 ms.
-                if state.max_batch_requests is not None:
-                    _screen_batch(raw, state.max_batch_requests)  # counted: no lock needed
-                with state.batch_parse_lock:
-                    anyio.from_thread.check_cancelled()  # hung up while it waited its turn
-                    bodies = _batch_bodies(raw, verbatim, state.max_batch_requests)
-                # Cancelled (a hang-up, the graceful timeout), the batch stops at its next
-                # slice or pass: this thread checks its host task's cancellation between them.
-                check = anyio.from_thread.check_cancelled
-                return client.infer_batch(bodies, checked, check_cancelled=check)
-
-            work = partial(anyio.to_thread.run_sync, run)
-            ndjson = _prefers_ndjson(request.headers.get("accept", ""))
-            respond = _said_untrained(client, _ndjson if ndjson else _json_list)
-            return await _in_flight(request, work, respond, state, arrival)
+            with state.batch_call() as admitted:
+                if not admitted:
+                    raise OverloadedError(
+                        f"{state.max_batch_calls} /batch calls are in progress, the most this "
+                        "server takes at once (--max-batch-calls); retry later"
+                    )
+                return await run_batch(request, client, checked, raw, arrival)
         return state.unanswered(arrival)
+
+    async def run_batch(
+        request: Request, client: InProcessClient, checked: Mode, raw: bytes, arrival: Arrival
+    ) -> Response:
+        """A ``/batch`` call's parse and run, on a worker thread, with its place taken."""
+        verbatim = request.headers.get("content-type", "").startswith(BATCH_BODIES_JSON)
+
+        def run() -> list[str]:
+            # Parsed here, not on the event loop: a 60 MB batch's list and its bodies
+            # written back to JSON held the loop (every other request) for 50-240 ms.
+            if state.max_batch_requests is not None:
+                _screen_batch(raw, state.max_batch_requests)  # counted: no lock needed
+            with state.batch_parse_lock:
+                anyio.from_thread.check_cancelled()  # hung up while it waited its turn
+                bodies = _batch_bodies(raw, verbatim, state.max_batch_requests)
+            # Cancelled (a hang-up, the graceful timeout), the batch stops at its next
+            # slice or pass: this thread checks its host task's cancellation between them.
+            check = anyio.from_thread.check_cancelled
+            return client.infer_batch(bodies, checked, check_cancelled=check)
+
+        work = partial(anyio.to_thread.run_sync, run)
+        ndjson = _prefers_ndjson(request.headers.get("accept", ""))
+        respond = _said_untrained(client, _ndjson if ndjson else _json_list)
+        return await _in_flight(request, work, respond, state, arrival)
 
     @app.post(
         "/invocations",
@@ -996,13 +1016,15 @@ def create_app(
                 return _json(client.metadata())
             invocation: InvocationRequest = parse_model(InvocationRequest, raw, "invocation")
             mode = INVOCATION_MODES[envelope.mode]
-            served = client.server_model.modes
-            if mode not in served:  # in the caller's words, not the routes'
+            try:
+                client.server_model.check_mode(mode)  # a subclass's own check included
+            except UnsupportedModeError:  # said in the caller's words, not the routes'
+                served = client.server_model.modes
                 offered = [name for name, m in INVOCATION_MODES.items() if m in served]
                 raise UnsupportedModeError(
                     f"model {envelope.model_name!r} does not support invocation mode "
                     f"{envelope.mode!r} (supported: {', '.join([*offered, 'metadata'])})"
-                )
+                ) from None
             body = invocation.to_model_request().model_dump_json()
             return await answer(request, client, body, mode, arrival)
         return state.unanswered(arrival)
