@@ -61,11 +61,12 @@ class PeakMemory:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--levels", default="1,2,4,8", help="calls in progress at once")
-    parser.add_argument("--tiles", type=int, default=512, help="tiles a /batch call")
-    parser.add_argument("--batches", type=int, default=2, help="calls each client sends")
-    parser.add_argument("--workdir", type=Path, default=default_workdir())
+    add = parser.add_argument
+    add("--rounds", type=int, default=4, help="interleaved rounds (default: %(default)s)")
+    add("--levels", default="1,2,4,8", help="calls at once, each (default: %(default)s)")
+    add("--tiles", type=int, default=512, help="tiles a /batch call (default: %(default)s)")
+    add("--batches", type=int, default=2, help="calls each thread sends (default: %(default)s)")
+    add("--workdir", type=Path, default=default_workdir(), help="checkpoint and body cache")
     args = parser.parse_args()
     levels = [int(level) for level in args.levels.split(",")]
     checkpoint = ensure_checkpoint("tiny", args.workdir, print)

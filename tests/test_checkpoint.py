@@ -606,15 +606,25 @@ class _Embedding(nn.Module):
         return x.mean(dim=(2, 3)).repeat(1, VIT_SIZES["tiny"].dim // 3)
 
 
-def test_an_embedding_model_may_return_its_embedding_alone(copy_of_tiny: Path) -> None:
+class _EmbeddingInATuple(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        return (x.mean(dim=(2, 3)).repeat(1, VIT_SIZES["tiny"].dim // 3),)
+
+
+@pytest.mark.parametrize(
+    ("program", "got"), [(_Embedding, "got Tensor"), (_EmbeddingInATuple, "got tuple of 1")]
+)
+def test_an_embedding_model_may_return_its_embedding_alone(
+    copy_of_tiny: Path, program: type[nn.Module], got: str
+) -> None:
     """checkpoints.md: a model serving embed alone needs no genes, and its program no
     predictions; a program returning one tensor was refused ("got Tensor")."""
 
     class EmbedOnly(H1ServerModel):
-        modes = ("embed",)
+        modes = ["embed"]  # type: ignore[assignment]  # noqa: RUF012 - a list, as users write it
 
     edit_assets(copy_of_tiny, gene_names=[])
-    path = save_program(_Embedding(), copy_of_tiny)
+    path = save_program(program(), copy_of_tiny)
     model = EmbedOnly.from_files(path)
     tiles = torch.randint(0, 256, (3, 3, 224, 224), dtype=torch.uint8)
     out = model.forward_batch(tiles, "embed")
@@ -624,7 +634,7 @@ def test_an_embedding_model_may_return_its_embedding_alone(copy_of_tiny: Path) -
         assert len(json.loads(client.embed(make_body(0)))["output"]) == VIT_SIZES["tiny"].dim
     # A model that predicts too is told what such a program is for.
     edit_assets(copy_of_tiny, gene_names=list(REFERENCE_GENE_PANEL))
-    raises_naming(path, lambda: build_server_model("h1", path), "got Tensor", "('embed',)")
+    raises_naming(path, lambda: build_server_model("h1", path), got, "('embed',)")
 
 
 def test_a_batch_of_the_wrong_shape_is_refused_before_the_program_runs(

@@ -460,6 +460,9 @@ def test_demo_writes_the_file_it_names_and_records_the_weights(
     code, out, _ = run([*argv, "--out", str(tmp_path / "results")], capsys)
     assert code == 0 and (tmp_path / "results" / "histoinfer-demo.npz").is_file()
     assert not (tmp_path / "results.npz").exists()
+    # A name ending in "/" is a folder too, made if need be (it wrote new.npz).
+    code, out, _ = run([*argv, "--out", f"{tmp_path / 'new'}/"], capsys)
+    assert code == 0 and (tmp_path / "new" / "histoinfer-demo.npz").is_file()
     # One that cannot be written to fails before the run, not after every tile.
     # (/proc takes no new files, even from root, as CI runs.)
     if not Path("/proc/self").is_dir():

@@ -316,6 +316,18 @@ def test_errors_without_problem_json_keep_their_status(server):
     assert isinstance(error, InvalidRequestError)
 
 
+def test_stats_from_a_newer_server_with_more_fields_are_read() -> None:
+    """A client of this version against a server that reports fields it does not know (this
+    version's server broke the last version's client.stats() so: a review)."""
+    from histoinfer.batching import BatchStats
+
+    stats = BatchStats()
+    stats.record_batch(2, [0.001, 0.002], 0.01)
+    sent = json.loads(json.dumps({**stats.snapshot().as_dict(), "a_new_field": [1, 2]}))
+    snapshot = http_module._snapshot(sent)
+    assert snapshot == stats.snapshot() and snapshot.batch_size_histogram == {2: 1}
+
+
 def test_an_error_carries_its_answers_request_id(server):
     """What the caller quotes to whoever reads the server's log."""
     client = HttpClient(server.base_url, "h1", headers={"X-Request-ID": "notebook-3"})

@@ -392,8 +392,13 @@ async def test_a_wrong_result_count_fails_only_its_own_item() -> None:
 
 @pytest.mark.parametrize(
     "answer",
-    [lambda items: {i: 10 * i for i in items}, lambda items: (10 * i for i in items), set],
-    ids=["dict", "generator", "set"],
+    [
+        lambda items: {i: 10 * i for i in items},
+        lambda items: (10 * i for i in items),
+        set,
+        lambda items: bytearray(len(items)),
+    ],
+    ids=["dict", "generator", "set", "bytearray"],
 )
 async def test_results_that_are_no_sequence_fail_naming_what_came_back(answer: Any) -> None:
     """A dict of the right length answered each caller with a key, silently (a user trial);
@@ -401,7 +406,7 @@ async def test_results_that_are_no_sequence_fail_naming_what_came_back(answer: A
     sched = BatchScheduler(answer, max_batch_size=4)
     with anyio.fail_after(10):
         with pytest.raises(
-            TypeError, match=r"must return one result per item.*got (dict|generator|set)"
+            TypeError, match=r"must return one result per item.*got (dict|generator|set|bytearray)"
         ):
             await sched.submit(3)
     await sched.aclose()

@@ -208,8 +208,7 @@ def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument(
         "--out",
-        type=Path,
-        default=Path("histoinfer-demo.npz"),
+        default="histoinfer-demo.npz",  # a str: Path would drop a trailing "/" (a folder)
         help="NPZ to write, or a folder to write histoinfer-demo.npz in (default: "
         "histoinfer-demo.npz)",
     )

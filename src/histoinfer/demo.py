@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 import sys
 import tempfile
 import time
@@ -135,13 +136,15 @@ async def _run_all(client: InProcessClient, bodies: list[str], progress: _Progre
 DEFAULT_NPZ = "histoinfer-demo.npz"
 
 
-def _npz_path(out: Path) -> Path:
-    """Where the results go, checked before the run: an existing folder gets
-    :data:`DEFAULT_NPZ` inside it; numpy adds ``.npz`` to a name without it (so the path said
-    is the one written); and a folder that cannot be made or written to fails now, named as
-    ``--out``, not after every tile is computed."""
-    out = out.expanduser()
-    if out.is_dir() and out.suffix != ".npz":
+def _npz_path(given: str | Path) -> Path:
+    """Where the results go, checked before the run: a folder (one that exists, or a name
+    ending in ``/``) gets :data:`DEFAULT_NPZ` inside it; numpy adds ``.npz`` to a name without
+    it (so the path said is the one written); and a folder that cannot be made or written to,
+    or a file that cannot be replaced, fails now, named as ``--out``, not after every tile is
+    computed."""
+    out = Path(given).expanduser()
+    folder = str(given).endswith(("/", os.sep))
+    if (folder or out.is_dir()) and out.suffix != ".npz":
         out = out / DEFAULT_NPZ
     if out.suffix != ".npz":
         out = out.with_name(out.name + ".npz")
@@ -155,12 +158,14 @@ def _npz_path(out: Path) -> Path:
         tempfile.TemporaryFile(dir=out.parent).close()
     except OSError as exc:
         raise OSError(f"--out {out}: its folder cannot be written to ({exc})") from exc
+    if out.exists() and not os.access(out, os.W_OK):
+        raise OSError(f"--out {out} exists and cannot be written to")
     return out
 
 
 def run_demo(
     *,
-    out: Path,
+    out: str | Path,
     size: str = "small",
     device: str = "cpu",
     backend: str = "asyncio",

@@ -154,6 +154,11 @@ def _wake_marker() -> _Pending[Any, Any]:
     return marker
 
 
+#: what a batch function may not return, though it has a length: iterating it does not give
+#: one result per item
+_NOT_RESULTS = (Mapping, AbstractSet, str, bytes, bytearray, memoryview)
+
+
 class BatchScheduler(Generic[T, R]):
     """Dynamic batching of ``submit(item)`` calls into ``batch_fn(items)`` calls.
 
@@ -676,9 +681,8 @@ class BatchScheduler(Generic[T, R]):
             # Timed here, on its thread: from the loop, the time would include the hand-offs
             # and the loop's wake-up, and under load its wait for the thread.
             self._ran_s += time.perf_counter() - started
-        if isinstance(results, (Mapping, AbstractSet, str, bytes)) or not isinstance(
-            results, Sized
-        ):  # a dict's keys would be taken for results, silently
+        if isinstance(results, _NOT_RESULTS) or not isinstance(results, Sized):
+            # a dict's keys would be taken for results, silently
             raise TypeError(
                 f"{self.name}: batch function must return one result per item, in order (a "
                 f"list, a tuple, an array), got {type(results).__name__}"

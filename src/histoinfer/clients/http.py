@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import email.utils
 import json
 import logging
@@ -610,6 +611,10 @@ def _head(response: httpx.Response) -> str:
 def _snapshot(fields: dict[str, Any]) -> StatsSnapshot:
     """A ``StatsSnapshot`` from its JSON (the histogram's keys, batch sizes, came as strings)."""
     from ..batching.stats import StatsSnapshot  # here: importing HttpClient stays light
+
+    # Only the fields this version knows: a newer server's added ones must not break it.
+    known = {f.name for f in dataclasses.fields(StatsSnapshot)}
+    fields = {name: value for name, value in fields.items() if name in known}
 
     histogram = {int(size): count for size, count in fields["batch_size_histogram"].items()}
     return StatsSnapshot(**{**fields, "batch_size_histogram": histogram})

@@ -33,8 +33,9 @@ class ModelAssets(BaseModel):
     name: str
     version: str
     task: str = "gene-expression"
-    #: at most 4096, the side of the largest image a request may send (``max_image_pixels``);
-    #: a mistyped 100000 made the load-time probe ask torch for 60 GB
+    #: at most 4096: a tile of 4096² pixels is as many as a request's image may hold by default
+    #: (``ServerModel.max_image_pixels``); a mistyped 100000 made the load-time probe ask
+    #: torch for 60 GB
     tile_size: int = Field(gt=0, le=4096)
     resolution: float = Field(gt=0, description="µm/px the model expects")
     mean: list[float] = Field(min_length=3, max_length=3)

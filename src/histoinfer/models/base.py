@@ -511,9 +511,11 @@ class ServerModel:
             # A reduced-precision program: normalized in float32, then cast, once per batch.
             x = x.to(self.checkpoint.input_dtype)
         result = self.checkpoint.program(x)
-        embeds_only = self.modes == ("embed",)
+        embeds_only = tuple(self.modes) == ("embed",)
         if embeds_only and isinstance(result, torch.Tensor):
             return None, result  # an embedding model's program: its embedding alone
+        if embeds_only and isinstance(result, Sequence) and len(result) == 1:
+            return None, result[0]  # the same, as a tuple of one
         if not isinstance(result, Sequence) or len(result) != 2:
             wanted = "its embedding (a tensor) or " if embeds_only else ""
             hint = (
@@ -522,9 +524,12 @@ class ServerModel:
                 else "; a program returning one tensor, its embedding, serves a model class "
                 "whose modes are ('embed',) (docs/checkpoints.md)"
             )
+            got = type(result).__name__
+            if isinstance(result, Sequence):
+                got += f" of {len(result)}"
             raise CheckpointError(
                 f"checkpoint {self.checkpoint.path} must return {wanted}(predictions, "
-                f"embedding), got {type(result).__name__}{hint}"
+                f"embedding), got {got}{hint}"
             )
         return result[0], result[1]
 
