@@ -963,10 +963,9 @@ class InProcessClient(ClosingContext):
             for i, ((request, _), output) in enumerate(zip(chunk, outputs, strict=True))
             if output is not None and not output.finite
         ]
-        if non_finite:
-            self._stats[mode].record_error(ModelExecutionError.__name__)
         problems = ["forward pass failed for " + "; ".join(failing)] if failing else []
         if non_finite:
+            self._stats[mode].record_error(ModelExecutionError.__name__)
             nan = non_finite_error(self.server_model.metadata().name, "; ".join(non_finite))
             problems.append(str(nan))
         if problems:
