@@ -194,6 +194,11 @@ async def test_concurrent_async_calls_run_at_batch_size_one(
         assert json.loads(response)["patch_idx"] == i
     stats = client.stats()["predict"]
     assert stats.batches == 6 and stats.samples == 6 and stats.batch_size_histogram == {1: 6}
+    # Nothing queued: no queue waits (counted as waits of 0 s, they dragged a p95 down).
+    assert sum(stats.queue_wait_buckets) == 0 and stats.queue_wait_ms["p99"] == 0.0
+    client.predict_batch([make_body(i) for i in range(3)])
+    stats = client.stats()["predict"]
+    assert stats.samples == 9 and sum(stats.queue_wait_buckets) == 0
 
 
 @pytest.mark.anyio

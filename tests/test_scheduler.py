@@ -12,6 +12,7 @@ import random
 import threading
 import time
 import warnings
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
@@ -254,8 +255,12 @@ async def test_bisection_isolates_a_poisoned_item(caplog: pytest.LogCaptureFixtu
     assert sum(7 in b for b in fn.batches) <= 5  # then halved: log2(12) + 1 tries at most
     snap = sched.stats.snapshot()
     assert snap.errors == 1 and snap.error_kinds == {"ValueError": 1}
-    # Dispatched: [100] and the 12, of which 11 answered; the failing item is no sample.
-    assert snap.batches == 2 and snap.samples == 12
+    # Answered: [100] and 11 of the 12; the failing item is no sample. The 11 ran in the
+    # halves' passes, and those are the batches counted (not one batch of 11, which never ran).
+    passes = [len(b) for b in fn.batches if 7 not in b]
+    assert snap.samples == 12 == sum(passes)
+    assert snap.batches == len(passes) > 2
+    assert snap.batch_size_histogram == dict(sorted(Counter(passes).items()))
     # One line for the batch, not one for every split (37 lines for 40 failures before).
     assert [r.getMessage() for r in caplog.records if "bisecting" in r.getMessage()] == [
         "batch: batch of 12 failed (ValueError('poisoned items [7]')); bisecting"
@@ -421,13 +426,13 @@ async def test_a_scheduler_crash_fails_the_pending_and_the_next_call_works(
     original = getattr(sched, site)
     crashes: list[int] = []
 
-    async def crash_once(batch: list[Any]) -> Any:
+    async def crash_once(batch: list[Any], *args: Any) -> Any:
         # _collect crashes holding queued items; _execute crashes before running them.
-        result = await original(batch) if site == "_collect" else None
+        result = await original(batch, *args) if site == "_collect" else None
         if not crashes:
             crashes.append(1)
             raise RuntimeError(f"bug in {site}")
-        return result if site == "_collect" else await original(batch)
+        return result if site == "_collect" else await original(batch, *args)
 
     monkeypatch.setattr(sched, site, crash_once)
     with anyio.fail_after(10):

@@ -249,7 +249,7 @@ class BatchScheduler(Generic[T, R]):
         self._handoff: _Handoff[T, R] | None = None  # the last batch, callers not yet woken
         # Seconds the batch function has run, on its thread (one call at a time: the runner
         # awaits each); a batch's share is read after it, bisected halves included.
-        self._ran_s = 0.0
+        self._last_pass_s = 0.0  # the latest batch function call's duration, on its thread
         # Guards DISPATCHED -> RUNNING (the batch function's thread) against DISPATCHED ->
         # ABANDONED (a caller leaving): an item is either run or left, never both.
         self._start_lock = threading.Lock()
@@ -594,20 +594,11 @@ class BatchScheduler(Generic[T, R]):
             p.state = _DISPATCHED
         self._queued -= len(live)
         self._count(self.stats.queue_changed, -len(live))
-        waits = [now - p.enqueued_at for p in live]
-        ran_before = self._ran_s
-        await self._execute(live)
-        # The items the model answered: not one refused, failed (a failing device must not
-        # look busy on the batches counter) or left before it started (not run).
-        counted = [
-            wait
-            for p, wait in zip(live, waits, strict=True)
-            if not p.refused and p.state != _ABANDONED and p.error is None
-        ]
-        if counted:
-            self._count(self.stats.record_batch, len(counted), counted, self._ran_s - ran_before)
+        await self._execute(live, now)
 
-    async def _execute(self, pendings: list[_Pending[T, R]], *, bisected: bool = False) -> None:
+    async def _execute(
+        self, pendings: list[_Pending[T, R]], dispatched_at: float, *, bisected: bool = False
+    ) -> None:
         for p in pendings:  # a bisected half, dispatched again
             if p.state == _RUNNING:
                 p.state = _DISPATCHED
@@ -643,12 +634,22 @@ class BatchScheduler(Generic[T, R]):
             if not bisected:  # once a batch: every split's line would flood the log
                 log.warning("%s: batch of %d failed (%r); bisecting", self.name, len(pendings), exc)
             middle = len(pendings) // 2
-            await self._execute(pendings[:middle], bisected=True)
-            await self._execute(pendings[middle:], bisected=True)
+            await self._execute(pendings[:middle], dispatched_at, bisected=True)
+            await self._execute(pendings[middle:], dispatched_at, bisected=True)
             return
         if handoff is not None:  # a no-op: the thread's wake-up ran long before this batch ended
             handoff.fire()
         self._handoff = _Handoff(pendings, results)
+        # One batch per pass that ran (a bisected batch ran as its halves), of the items the
+        # model answered: not one refused, failed (a failing device must not look busy on the
+        # batches counter) or left before it started.
+        waits = [
+            dispatched_at - p.enqueued_at
+            for p, result in zip(pendings, results, strict=True)
+            if not isinstance(result, BaseException)
+        ]
+        if waits:
+            self._count(self.stats.record_batch, len(waits), waits, self._last_pass_s)
 
     def _wake_finished(self) -> None:
         handoff, self._handoff = self._handoff, None
@@ -680,7 +681,7 @@ class BatchScheduler(Generic[T, R]):
         finally:
             # Timed here, on its thread: from the loop, the time would include the hand-offs
             # and the loop's wake-up, and under load its wait for the thread.
-            self._ran_s += time.perf_counter() - started
+            self._last_pass_s = time.perf_counter() - started
         if isinstance(results, _NOT_RESULTS) or not isinstance(results, Sized):
             # a dict's keys would be taken for results, silently
             raise TypeError(

@@ -458,7 +458,7 @@ def _count_abandoned_pass(
         return
     [result], ran_s = future.result()
     if not isinstance(result, (InferenceError, _TooBigHere)):  # a refusal ran nothing
-        stats.record_batch(1, [0.0], ran_s)
+        stats.record_batch(1, (), ran_s)
 
 
 def _close_loop_states(loops: PerLoop[_LoopState]) -> None:
@@ -829,7 +829,7 @@ class InProcessClient(ClosingContext):
             raise _execution_error(job.request, exc) from exc
         if isinstance(result, (InferenceError, _TooBigHere)):
             raise result  # a lone body refused: nothing ran
-        self._stats[mode].record_batch(1, [0.0], ran_s)
+        self._stats[mode].record_batch(1, (), ran_s)
         return job, result
 
     def _check_not_expired(self, mode: Mode, remaining: float | None) -> None:
@@ -1006,7 +1006,7 @@ class InProcessClient(ClosingContext):
                 chunk[middle:], mode, offset + middle, bisected=True
             )
             return first + second, failed_first + failed_second
-        stats.record_batch(len(chunk), [0.0] * len(chunk), ran_s)
+        stats.record_batch(len(chunk), (), ran_s)
         return list(outputs), []
 
     # -- sync bridge and bookkeeping ---------------------------------------------------------
