@@ -195,3 +195,7 @@ def test_same_compares_code_and_every_tensor() -> None:
     assert not script_cache._same(one, torch.jit.script(Scale(2.0)))
     assert not script_cache._same(one, torch.jit.script(Shift(1.0)))
     assert not script_cache._same(one, torch.jit.script(Scale(1.0).double()))
+    # Bit for bit: NaN is itself (a model with a NaN weight was never cached), -0.0 is not 0.0.
+    nan = torch.jit.script(Scale(float("nan")))
+    assert script_cache._same(nan, torch.jit.script(Scale(float("nan"))))
+    assert not script_cache._same(torch.jit.script(Scale(0.0)), torch.jit.script(Scale(-0.0)))

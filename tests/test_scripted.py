@@ -140,6 +140,26 @@ def test_scripted_equal_names_what_differed() -> None:
     )
 
 
+def test_scripted_equal_compares_bit_for_bit() -> None:
+    """NaN answers NaN alike (torch.equal says they differ: a model answering NaN for the probe's
+    random tiles ran as fx); -0.0 is not 0.0 (a response writes them differently)."""
+    batches = [torch.ones(2, 3)]
+
+    def nan(x: torch.Tensor) -> torch.Tensor:
+        return x * float("nan")
+
+    def zero(x: torch.Tensor) -> torch.Tensor:
+        return x * 0.0
+
+    def negative_zero(x: torch.Tensor) -> torch.Tensor:
+        return x * -0.0
+
+    assert scripted_equal(nan, lambda x: x * float("nan"), batches) is None
+    assert scripted_equal(zero, negative_zero, batches) == (
+        "the scripted graph's outputs differ on a batch of 2"
+    )
+
+
 # -- what a program returns -----------------------------------------------------------------
 
 

@@ -37,7 +37,7 @@ from .checkpoint import (
 )
 from .device_thread import device_thread
 from .imaging import decode_tile
-from .scripted import script_program, scripted_equal
+from .scripted import bitwise_equal, script_program, scripted_equal
 
 __all__ = [
     "BatchOutput",
@@ -604,7 +604,7 @@ class ServerModel:
                     why = f"fails on a channels-last batch of {n}: {first_line(exc)}"
                     return f"contiguous (the program {why})"
             if not all(
-                a is b is None or (a is not None and b is not None and torch.equal(a, b))
+                a is b is None or (a is not None and b is not None and bitwise_equal(a, b))
                 for a, b in zip(want, got, strict=True)
             ):
                 return f"contiguous (the program's outputs differ on a channels-last batch of {n})"

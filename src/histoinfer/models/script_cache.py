@@ -45,6 +45,8 @@ from pathlib import Path
 
 import torch
 
+from .scripted import bitwise_equal
+
 __all__ = ["CACHE_ENV", "UNUSED_DAYS", "cache_dir", "load", "save"]
 
 log = logging.getLogger("histoinfer.models")
@@ -162,7 +164,7 @@ def _same(a: torch.jit.ScriptModule, b: torch.jit.ScriptModule) -> bool:
         return False
     tensors_a, tensors_b = a.state_dict(), b.state_dict()
     return tensors_a.keys() == tensors_b.keys() and all(
-        t.dtype == tensors_b[k].dtype and torch.equal(t, tensors_b[k]) for k, t in tensors_a.items()
+        bitwise_equal(t, tensors_b[k]) for k, t in tensors_a.items()
     )
 
 

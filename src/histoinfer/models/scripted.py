@@ -16,7 +16,7 @@ original's parameters (no second copy of the weights). The graph returns its out
 tuple); the fx module rebuilds the structure the program returned (one tensor, a tuple, a list,
 a dict) with the export's output spec, so the copy's output node returns that structure itself.
 
-Trust. It is used only if it returns exactly what the fx module returns (``torch.equal``) on the
+Trust. It is used only if it returns exactly what the fx module returns (bit for bit) on the
 model's load-time probe, after the interpreter has optimized the graph; anything else (a graph
 TorchScript cannot compile, a different value, a future torch without TorchScript) keeps the fx
 module, and :func:`script_program` says why.
@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_unflatten
 
 from .checkpoint import first_line
 
-__all__ = ["script_program", "scripted_equal"]
+__all__ = ["bitwise_equal", "script_program", "scripted_equal"]
 
 #: calls of the scripted module before its outputs are compared: TorchScript's profiling
 #: executor runs the graph as written once (one profiled run, torch's default), then optimizes
@@ -182,9 +182,18 @@ def _other_structure(want: object, got: object) -> str | None:
 def _same(a: object, b: object) -> bool:
     """Equal values, in containers of the same structure (:func:`_other_structure`)."""
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        return bitwise_equal(a, b)
     if isinstance(a, dict) and isinstance(b, dict):
         return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, Sequence) and isinstance(b, Sequence) and not isinstance(a, str):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     return a == b if type(a) is type(b) and isinstance(a, (int, float, bool, str)) else a is b
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes: ``torch.equal`` alone is false for NaN against NaN (a
+    model with one NaN weight was never scripted nor cached) and true for 0.0 against -0.0
+    (which a JSON response writes differently)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
