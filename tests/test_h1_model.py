@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -240,3 +242,24 @@ def test_partial_files_are_private_and_renamed_only_when_complete(tmp_path: Path
         raise RuntimeError("export failed")
     assert final.read_text() == "first"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt2"]
+
+
+def test_a_killed_exports_private_folder_is_removed_by_the_next_an_hour_later(
+    tmp_path: Path,
+) -> None:
+    final = tmp_path / "model.pt2"
+    abandoned, running = (tmp_path / f".model.pt2.partial-{n}-0a1b2c3d" for n in (1, 2))
+    for folder in abandoned, running:
+        folder.mkdir()
+        (folder / "model.pt2").write_text("half")
+    hour_ago = time.time() - 3601
+    os.utime(abandoned, (hour_ago, hour_ago))
+    other = tmp_path / ".assets.json.partial-1-0a1b2c3d"  # another file's: its own export's
+    other.mkdir()
+    os.utime(other, (hour_ago, hour_ago))
+    with _partial(final) as partial:
+        partial.write_text("whole")
+    assert final.read_text() == "whole"
+    assert not abandoned.exists()
+    assert (running / "model.pt2").read_text() == "half"  # another export, maybe still running
+    assert other.exists()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 import uuid
 import warnings
@@ -150,8 +151,9 @@ def _partial(final: Path) -> Iterator[Path]:
     the archive's top folder after the file, and a tagged name made every export's bytes, and
     so its sha256, differ.
     """
+    _remove_abandoned(final)
     tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    folder = final.with_name(f".{final.name}.partial-{tag}")
+    folder = final.with_name(f"{_partial_prefix(final)}{tag}")
     partial = folder / final.name
     try:
         folder.mkdir()
@@ -161,3 +163,21 @@ def _partial(final: Path) -> Iterator[Path]:
         partial.unlink(missing_ok=True)
         with suppress(OSError):
             folder.rmdir()
+
+
+#: a private folder older than this was left by a killed export (an AOTInductor compile of the
+#: small model takes minutes, not an hour)
+ABANDONED_AFTER_S = 3600.0
+
+
+def _partial_prefix(final: Path) -> str:
+    return f".{final.name}.partial-"
+
+
+def _remove_abandoned(final: Path) -> None:
+    """Delete the private folders of ``final`` that a killed export left behind."""
+    old = time.time() - ABANDONED_AFTER_S
+    for folder in final.parent.glob(f"{_partial_prefix(final)}*"):
+        with suppress(OSError):
+            if folder.is_dir() and folder.stat().st_mtime < old:
+                shutil.rmtree(folder)
