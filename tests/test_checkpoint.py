@@ -601,6 +601,21 @@ def test_a_program_exported_from_one_tile_is_refused_with_the_export_hint(
     )
 
 
+def test_a_tile_size_the_program_was_not_exported_for_is_named(copy_of_tiny: Path) -> None:
+    """The probe failed with torch's guard alone ("x.size()[2] == 224"): which of the two
+    numbers was model.json's, and which the program's, was left to the reader (a user trial)."""
+    assets = copy_of_tiny / "model.json"
+    described = json.loads(assets.read_text())
+    assets.write_text(json.dumps({**described, "tile_size": 256}))
+    path = copy_of_tiny / "model.pt2"
+    raises_naming(
+        path,
+        lambda: build_server_model("h1", path),
+        "[2, 3, 256, 256] probe batch",
+        "takes tiles of 224 px, but model.json's tile_size is 256",
+    )
+
+
 class _Embedding(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.mean(dim=(2, 3)).repeat(1, VIT_SIZES["tiny"].dim // 3)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -96,6 +97,21 @@ _LONE_PROBE_HINT = (
 #: a program that takes one tile and fails on two: exported from an example batch of 1,
 #: which torch.export specializes to 1 (docs/checkpoints.md)
 _BATCH_OF_ONE_HINT = "; it takes a batch of one tile only (exported from one?): " + _DYNAMIC_BATCH
+#: torch.export's guard on a spatial size it exported static: "x.size()[2] == 224"
+_SPATIAL_GUARD = re.compile(r"size\(\)\[[23]\] == (\d+)")
+
+
+def _tile_size_hint(exc: Exception, tile_size: int) -> str:
+    """Why a program refuses the probe's tiles, if its guard says it takes another size."""
+    exported = _SPATIAL_GUARD.search(str(exc))
+    if exported is None or int(exported[1]) == tile_size:
+        return ""
+    return (
+        f"; the program takes tiles of {exported[1]} px, but model.json's tile_size is "
+        f"{tile_size}: make them agree"
+    )
+
+
 #: Where loading an untrained checkpoint is announced, once a process for each (its own name:
 #: a harness that reports it already can silence it alone).
 untrained_log = logging.getLogger("histoinfer.untrained")
@@ -634,8 +650,10 @@ class ServerModel:
                 except Exception as exc:
                     if n == 1:
                         hint = _LONE_PROBE_HINT
+                    elif self._takes_one_tile(mode):
+                        hint = _BATCH_OF_ONE_HINT
                     else:
-                        hint = _BATCH_OF_ONE_HINT if self._takes_one_tile(mode) else ""
+                        hint = _tile_size_hint(exc, size)
                     raise CheckpointError(
                         f"checkpoint {self.checkpoint.path} failed on a [{n}, 3, {size}, {size}] "
                         f"probe batch ({mode}): {first_line(exc)}{hint}"
