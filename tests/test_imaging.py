@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from histoinfer.errors import InvalidRequestError
-from histoinfer.models import imaging, png
+from histoinfer.models import faults, imaging, png
 from histoinfer.models.faults import base64_fault
 from histoinfer.models.imaging import decode_tile
 
@@ -627,6 +627,31 @@ def test_a_tiff_in_a_compression_pillow_cannot_read_is_unsupported_not_damaged(
         f"invalid request {WHERE}: field 'image_data': a TIFF image with a compression that is "
         f"not supported ({named})"
     )
+
+
+@pytest.mark.parametrize("has_it", [False, True], ids=["libtiff without WebP", "with WebP"])
+def test_a_tiff_in_a_compression_libtiff_was_built_without_is_unsupported_not_corrupt(
+    has_it: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pillow's wheels link a libtiff without WebP: a WebP-compressed TIFF (common from slide
+    converters) was "corrupt or truncated", with libtiff's own complaint on stderr."""
+    monkeypatch.setattr(faults, "_libtiff_has", lambda compression: has_it)
+    with pytest.raises(InvalidRequestError) as info:
+        decode(_tiff(compression=50001))  # its strip is raw bytes: no WebP stream
+    said = str(info.value)
+    if has_it:
+        assert "image data is corrupt or truncated" in said
+    else:
+        assert said == (
+            f"invalid request {WHERE}: field 'image_data': a TIFF image with a compression that "
+            "is not supported (compression 50001, WebP: this process's libtiff was built "
+            "without it)"
+        )
+
+
+def test_which_compressions_libtiff_has_is_asked_of_libtiff() -> None:
+    # Pillow does not say which codecs its libtiff has; writing a pixel with one tells.
+    assert faults._libtiff_has(5) and faults._libtiff_has(8)  # LZW, Deflate: always built in
 
 
 def test_a_damaged_tiff_is_still_damaged() -> None:

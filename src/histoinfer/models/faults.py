@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import io
 import re
+from functools import cache
 
-from PIL import TiffImagePlugin
+from PIL import Image, TiffImagePlugin
 
-__all__ = ["base64_fault", "unsupported_reason"]
+__all__ = ["base64_fault", "missing_tiff_codec", "unsupported_reason"]
 
 
 _NOT_BASE64 = re.compile(r"[^A-Za-z0-9+/=]")
@@ -157,3 +158,34 @@ def _tiff_pixels(tags: TiffImagePlugin.ImageFileDirectory_v2) -> str:
     except Exception:  # pragma: no cover - a tag of an unhashable or odd type
         return ""
     return f": {layout}, {samples} sample{plural} of {width}-bit {kind}"
+
+
+# Compressions Pillow hands to libtiff, whose build may lack them (Pillow's wheels have no WebP
+# in libtiff): such a tile failed as "corrupt or truncated", though well-formed.
+_LIBTIFF_OPTIONAL = {34925: "LZMA", 50000: "Zstandard", 50001: "WebP"}
+
+
+def missing_tiff_codec(image: Image.Image) -> str:
+    """Why a TIFF cannot be decoded here, if its compression is one this process's libtiff
+    was built without (checked once a compression); "" otherwise."""
+    if not isinstance(image, TiffImagePlugin.TiffImageFile):
+        return ""
+    compression = image.tag_v2.get(TiffImagePlugin.COMPRESSION)
+    if compression not in _LIBTIFF_OPTIONAL or _libtiff_has(compression):
+        return ""
+    return (
+        f"with a compression that is not supported (compression {compression}, "
+        f"{_LIBTIFF_OPTIONAL[compression]}: this process's libtiff was built without it)"
+    )
+
+
+@cache
+def _libtiff_has(compression: int) -> bool:
+    """Whether libtiff here can write ``compression`` (its codecs are built for both ways)."""
+    try:
+        Image.new("RGB", (1, 1)).save(
+            io.BytesIO(), format="TIFF", compression=TiffImagePlugin.COMPRESSION_INFO[compression]
+        )
+    except Exception:
+        return False
+    return True

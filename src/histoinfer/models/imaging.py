@@ -21,7 +21,7 @@ from PIL import JpegImagePlugin, PngImagePlugin, TiffImagePlugin  # noqa: F401  
 
 from ..errors import InvalidRequestError
 from . import png
-from .faults import base64_fault, unsupported_reason
+from .faults import base64_fault, missing_tiff_codec, unsupported_reason
 
 __all__ = ["ACCEPTED_FORMATS", "decode_tile"]
 
@@ -266,6 +266,9 @@ def decode_tile(
                     f"a JPEG of over {MAX_JPEG_SCANS} scans, or of thousands of segments "
                     "(re-encode it as baseline or standard progressive)"
                 )
+        lacking = missing_tiff_codec(image)  # before libtiff tries, and writes to stderr
+        if lacking:
+            raise invalid(f"a TIFF image {lacking}")
         try:
             image.load()
         except Exception as exc:
