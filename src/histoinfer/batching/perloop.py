@@ -87,6 +87,10 @@ async def wait_future(future: Future[R], *, start_by: float | None = None) -> R:
     return future.result()
 
 
+#: what forked children's PerLoops forgot (see :meth:`PerLoop.forget_after_fork`)
+_LEFT_BY_THE_PARENT: list[object] = []
+
+
 class PerLoop(Generic[V]):
     """A value per event loop, made by ``factory(key)`` on first use in that loop."""
 
@@ -116,6 +120,15 @@ class PerLoop(Generic[V]):
             values = list(self._values.values())
             self._values.clear()
             return values
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: the parent's loops do not run here. Their values are forgotten,
+        not closed (closing one would reach for the parent's loop), and kept for the life of
+        the process: collected, their tasks would say "Task was destroyed but it is pending!"
+        """
+        self._lock = threading.Lock()  # the parent's threads may have held it
+        _LEFT_BY_THE_PARENT.extend(self._values.values())
+        self._values = {}
 
     def values(self) -> list[V]:
         with self._lock:

@@ -54,7 +54,7 @@ from ..errors import (
 )
 from ..protocol import documented_as_client
 from ..schema import ForeignBody, Mode, not_a_json_string, parse_request
-from .lifecycle import CLIENT_CLOSED, ClosingContext, InFlight, running_loop_here
+from .lifecycle import CLIENT_CLOSED, ClosingContext, InFlight, mend_after_fork, running_loop_here
 
 if TYPE_CHECKING:
     from ..batching.stats import StatsSnapshot
@@ -130,6 +130,8 @@ class HttpClient(ClosingContext):
             auth, verify, proxy, ...).
     """
 
+    _holds = "open connections and locks"
+
     def __init__(
         self,
         base_url: str,
@@ -190,6 +192,21 @@ class HttpClient(ClosingContext):
         self._lock = threading.Lock()
         self._sync: _Shards[httpx.Client] | None = None
         self._pools: dict[object, _LoopPool] = {}
+        mend_after_fork(self)
+
+    def _after_fork(self) -> None:
+        """In a forked child (before anything else runs there): the pooled connections are
+        the parent's too, and a request sent on one could read the answer to the parent's.
+        The child starts with pools of its own; the inherited ones are set aside unclosed
+        (over TLS, a close here would end the parent's sessions too). Nor do the parent's calls in
+        flight, or their slots, exist here."""
+        self._lock = threading.Lock()
+        # Kept, unused: collected, their sockets would be closed (and warn of it).
+        self._left_by_the_parent = (self._sync, self._pools)
+        self._sync, self._pools = None, {}
+        if self.max_in_flight is not None:
+            self._sync_slots = threading.BoundedSemaphore(self.max_in_flight)
+        self._calls.after_fork()
 
     # -- Client protocol: sync ---------------------------------------------------------------
 

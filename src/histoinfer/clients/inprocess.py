@@ -78,7 +78,7 @@ from ..models.registry import build_server_model
 from ..protocol import documented_as_client
 from ..schema import MODES, BatchingSettings, Mode, ModelRequest, locate, parse_request
 from .cores import CoreShare
-from .lifecycle import CLIENT_CLOSED, ClosingContext, InFlight, running_loop_here
+from .lifecycle import ClosingContext, InFlight, mend_after_fork, running_loop_here
 from .portal import PortalThread
 from .refusals import BatchRefusal
 
@@ -461,6 +461,16 @@ def _count_abandoned_pass(
         stats.record_batch(1, (), ran_s)
 
 
+def _forked_away(parent: int) -> str:
+    """Why a forked child cannot use its parent's client, and what to do instead."""
+    return (
+        f"this InProcessClient was made in process {parent}, and process {os.getpid()} is a "
+        "fork of it: the threads that run its model did not survive the fork. Make a client in "
+        "each process (for a ProcessPoolExecutor, in its initializer), or start processes "
+        "with the 'spawn' method"
+    )
+
+
 def _close_loop_states(loops: PerLoop[_LoopState]) -> None:
     """Forget every loop's state and end its schedulers (on close, or when the client is
     dropped: this is also the client's finalizer, so it must not reference the client)."""
@@ -497,6 +507,8 @@ class InProcessClient(ClosingContext):
             by default the model's name. The server's CLI passes the route's name, so a
             model served under two names (``--model fast=h1 --model slow=h1``) says which.
     """
+
+    _holds = "a loaded model and its threads"
 
     def __init__(
         self,
@@ -580,6 +592,19 @@ class InProcessClient(ClosingContext):
             }
         )
         self._metadata_json = metadata.model_dump_json()
+        mend_after_fork(self)
+
+    def _after_fork(self) -> None:
+        """In a forked child (before anything else runs there): the device's, the portal's
+        and the decoders' threads are not here, so a call would wait for them for ever (a
+        ProcessPoolExecutor's workers with a module-level client hung). Every call is refused
+        saying why and what to do; ``close()`` has nothing left to stop."""
+        self._threads_lock = threading.Lock()
+        if self._portal_finalizer is not None:
+            self._portal_finalizer.detach()
+        self._portal, self._portal_finalizer, self._batch_decoder = None, None, None
+        self._loops.forget_after_fork()
+        self._calls.after_fork(refuse=_forked_away(os.getppid()))
 
     @classmethod
     def from_checkpoint(
@@ -643,7 +668,7 @@ class InProcessClient(ClosingContext):
 
     def metadata(self) -> str:
         if self._calls.closed:  # as HttpClient, and every other method: closed means closed
-            raise ClientClosedError(CLIENT_CLOSED)
+            raise self._calls.refusal()
         return self._metadata_json
 
     # -- Client protocol: explicit batches ---------------------------------------------------
@@ -935,7 +960,7 @@ class InProcessClient(ClosingContext):
                     pending.append(pool.submit(decode, body, position=i))
                 except RuntimeError:
                     if self._calls.closed:  # close() from a thread with a running loop
-                        raise ClientClosedError(CLIENT_CLOSED) from None
+                        raise self._calls.refusal() from None
                     raise
                 if len(pending) == ahead:
                     yield take()
@@ -1025,13 +1050,13 @@ class InProcessClient(ClosingContext):
             return portal.call(fn, body)
         except RuntimeError:
             if self._calls.closed:  # the portal stopped under us: close() won the race
-                raise ClientClosedError(CLIENT_CLOSED) from None
+                raise self._calls.refusal() from None
             raise
 
     def _get_portal(self) -> PortalThread:
         with self._threads_lock:
             if self._calls.closed:  # never start a portal for a closed client
-                raise ClientClosedError(CLIENT_CLOSED)
+                raise self._calls.refusal()
             if self._portal is None:
                 self._portal = PortalThread(name=f"histoinfer-portal-{self._model_name}")
                 # Stops the portal if the client is dropped, or at interpreter exit.

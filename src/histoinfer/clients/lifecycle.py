@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import TracebackType
-from typing import Self
+from typing import ClassVar, NoReturn, Protocol, Self
 
 import anyio
 import sniffio
@@ -21,7 +23,7 @@ import sniffio
 from ..errors import ClientClosedError
 from ..protocol import documented_as_client
 
-__all__ = ["CLIENT_CLOSED", "ClosingContext", "InFlight", "running_loop_here"]
+__all__ = ["CLIENT_CLOSED", "ClosingContext", "InFlight", "mend_after_fork", "running_loop_here"]
 
 #: Why a call on a closed client is refused, and what to do: closing is not undone.
 CLIENT_CLOSED = "the client is closed (for good: make a new client to go on)"
@@ -46,6 +48,8 @@ class InFlight:
         self._when_done = when_done
         self._then: list[Callable[[], None]] = []
         self.closed = False
+        #: what a refused call is told
+        self.why_closed = CLIENT_CLOSED
 
     @property
     def active(self) -> int:
@@ -64,8 +68,22 @@ class InFlight:
     def enter(self) -> None:
         with self._idle:
             if self.closed:
-                raise ClientClosedError(CLIENT_CLOSED)
+                raise self.refusal()
             self._active += 1
+
+    def refusal(self) -> ClientClosedError:
+        """The error of a call made once closed."""
+        return ClientClosedError(self.why_closed)
+
+    def after_fork(self, refuse: str | None = None) -> None:
+        """In a forked child: the parent's calls in flight are not here (their threads did not
+        survive the fork), so ``close()`` must not wait for them, nor run what the parent's
+        close was to run after them. With ``refuse``, closed in this process, saying why."""
+        self._idle = threading.Condition()  # the parent's threads may have held it
+        self._active = 0
+        self._then = []
+        if refuse is not None:
+            self.closed, self.why_closed, self._when_done = True, refuse, None
 
     def exit(self) -> None:
         with self._idle:
@@ -119,6 +137,32 @@ class InFlight:
             await anyio.sleep(0.005)
 
 
+class _ForkAware(Protocol):
+    def _after_fork(self) -> None: ...
+
+
+_FORK_AWARE: weakref.WeakSet[_ForkAware] = weakref.WeakSet()
+
+
+def mend_after_fork(client: _ForkAware) -> None:
+    """Call ``client._after_fork()`` in every child forked while it is alive, before anything
+    else runs there: a client's threads and locks do not survive a fork, and its pooled
+    connections are the parent's too (a child sending on them would take the parent's answers).
+    """
+    _FORK_AWARE.add(client)
+
+
+def _in_forked_child() -> None:
+    for client in list(_FORK_AWARE):
+        try:
+            client._after_fork()
+        except Exception:  # never the child's problem: its own use of the client will say
+            log.exception("mending %r after fork failed", client)
+
+
+os.register_at_fork(after_in_child=_in_forked_child)
+
+
 def running_loop_here() -> bool:
     """Is an event loop running on this thread (also outside a task, e.g. in a callback)?
     ``close()`` must not wait there: it would block the loop whose calls it waits for."""
@@ -136,6 +180,9 @@ def running_loop_here() -> bool:
 
 @documented_as_client
 class ClosingContext:
+    #: what the client holds that cannot be sent to another process
+    _holds: ClassVar[str] = "threads"
+
     def close(self) -> None:
         raise NotImplementedError
 
@@ -144,6 +191,13 @@ class ClosingContext:
 
     def __enter__(self) -> Self:
         return self
+
+    def __reduce__(self) -> NoReturn:
+        # Said plainly: pickle's own error named an internal (an fx GraphModule, a lock).
+        raise TypeError(
+            f"{type(self).__name__} cannot be pickled: it holds {self._holds}. Make one in "
+            "each process (for a ProcessPoolExecutor, in its initializer) and send bodies"
+        )
 
     def __exit__(
         self,
