@@ -12,6 +12,7 @@ import textwrap
 import warnings
 import zipfile
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,12 @@ from histoinfer import InProcessClient, ServerModel, available_models, build_ser
 from histoinfer.errors import InferenceError, InvalidRequestError
 from histoinfer.models import CheckpointError, base, checkpoint, load_checkpoint, registry
 from histoinfer.models.base import BatchOutput
-from histoinfer.models.checkpoint import AOTI_INPUT_DTYPE_KEY, input_dtype, sniff_kind
+from histoinfer.models.checkpoint import (
+    AOTI_INPUT_DTYPE_KEY,
+    input_dtype,
+    input_size,
+    sniff_kind,
+)
 from histoinfer.models.genes import REFERENCE_GENE_PANEL
 from histoinfer.models.h1 import H1ServerModel, export_reference_h1
 from histoinfer.models.vit import VIT_SIZES
@@ -84,7 +90,17 @@ def test_missing_checkpoint_is_reported_before_missing_assets(tmp_path: Path) ->
 
 
 def test_directory_instead_of_file(tmp_path: Path) -> None:
-    raises_naming(tmp_path, lambda: load_checkpoint(tmp_path), "not a file")
+    message = raises_naming(tmp_path, lambda: load_checkpoint(tmp_path), "not a file")
+    assert "give the checkpoint file" not in message  # nothing in it to name
+
+
+def test_an_export_folder_instead_of_its_file_names_the_file(copy_of_tiny: Path) -> None:
+    """`export --out ckpt` makes a folder, and users pass it (a user trial)."""
+    raises_naming(
+        copy_of_tiny,
+        lambda: load_checkpoint(copy_of_tiny),
+        f"a folder: give the checkpoint file in it, {copy_of_tiny / 'model.pt2'})",
+    )
 
 
 @pytest.mark.parametrize(
@@ -201,6 +217,11 @@ def test_compressed_members_are_checked_too(tmp_path: Path) -> None:
     ("device", "fragment"),
     [
         ("nonsense", "not a torch device"),
+        ("cpu:7", "the CPU is one device, with no index; use device='cpu'"),
+        (
+            None,
+            "device must be a string such as 'cpu' or 'cuda:0', or a torch.device; got NoneType",
+        ),
         pytest.param(
             "cuda",
             "CUDA is not available",
@@ -213,15 +234,21 @@ def test_compressed_members_are_checked_too(tmp_path: Path) -> None:
         ),
     ],
 )
-def test_unusable_device_names_the_file(tiny_checkpoint: Path, device: str, fragment: str) -> None:
+def test_unusable_device_names_the_file(
+    tiny_checkpoint: Path, device: str | None, fragment: str
+) -> None:
     # Regression (AOTInductor packages): a bad device escaped as a bare RuntimeError or
     # AssertionError, which the CLI printed as a traceback.
     raises_naming(
         tiny_checkpoint,
-        lambda: build_server_model("h1", tiny_checkpoint, device=device),
-        repr(device),
+        lambda: build_server_model("h1", tiny_checkpoint, device=device),  # type: ignore[arg-type]
+        repr(device) if device is not None else "device must be",
         fragment,
     )
+
+
+def test_a_cpu_with_index_0_is_the_cpu(tiny_checkpoint: Path) -> None:
+    assert build_server_model("h1", tiny_checkpoint, device="cpu:0").device == torch.device("cpu")
 
 
 def test_checkpoint_error_is_catchable_as_inference_and_value_error() -> None:
@@ -601,19 +628,25 @@ def test_a_program_exported_from_one_tile_is_refused_with_the_export_hint(
     )
 
 
+class _Unscripted(H1ServerModel):
+    script_program = False
+
+
 def test_a_tile_size_the_program_was_not_exported_for_is_named(copy_of_tiny: Path) -> None:
-    """The probe failed with torch's guard alone ("x.size()[2] == 224"): which of the two
-    numbers was model.json's, and which the program's, was left to the reader (a user trial)."""
+    """The probe failed with torch's guard alone ("x.size()[2] == 224"), or, with the program
+    read from the TorchScript cache, with no word of sizes at all (a user trial)."""
+    path = copy_of_tiny / "model.pt2"
+    build_server_model("h1", path)  # its TorchScript translation cached, as a first load does
     assets = copy_of_tiny / "model.json"
     described = json.loads(assets.read_text())
     assets.write_text(json.dumps({**described, "tile_size": 256}))
-    path = copy_of_tiny / "model.pt2"
-    raises_naming(
-        path,
-        lambda: build_server_model("h1", path),
-        "[2, 3, 256, 256] probe batch",
-        "takes tiles of 224 px, but model.json's tile_size is 256",
-    )
+    for model_class in (H1ServerModel, _Unscripted):  # from the cache, and the fx module
+        raises_naming(
+            path,
+            partial(model_class.from_files, path),
+            "was exported for tiles of 224x224 px, but its assets (model.json) say tile_size 256",
+        )
+    assert input_size(load_checkpoint(path).program) == (224, 224)
 
 
 class _Embedding(nn.Module):

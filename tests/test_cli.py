@@ -376,6 +376,16 @@ def test_serve_refuses_an_unknown_registry_key_before_binding(
     assert_one_line_error(code, capsys.readouterr().err, "--model x=h2", "unknown model 'h2'")
 
 
+@pytest.mark.parametrize(("device", "said"), [("tpu", "not a torch device"), ("cpu:7", "no index")])
+def test_serve_refuses_an_unusable_device_before_binding(
+    tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str], device: str, said: str
+) -> None:
+    """It bound the port, and failed seconds later as the model loaded (a user trial)."""
+    args = ["serve", "--model", "h1", "--checkpoint", str(tiny_checkpoint), "--device", device]
+    code = main([*args, "--port", "1"])  # never bound: port 1 would fail as a privileged port
+    assert_one_line_error(code, capsys.readouterr().err, repr(device), said)
+
+
 @pytest.mark.parametrize("command", ["serve", "bench"])
 def test_a_missing_extra_is_named_even_with_options(
     command: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]

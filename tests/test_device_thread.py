@@ -98,6 +98,13 @@ def test_a_bare_cuda_is_the_current_cuda_device(monkeypatch: pytest.MonkeyPatch)
     assert device_key("cpu") == "cpu"
 
 
+def test_every_cpu_index_is_the_one_cpu() -> None:
+    """A model on "cpu:0" had a forward thread of its own beside "cpu"'s: two passes at once
+    on the same cores (a user trial, with "cpu:7")."""
+    assert device_key("cpu:0") == device_key(torch.device("cpu", 3)) == "cpu"
+    assert device_thread("cpu:0") is device_thread("cpu")
+
+
 def test_the_load_time_probe_runs_on_the_device_thread(
     tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -97,21 +96,6 @@ _LONE_PROBE_HINT = (
 #: a program that takes one tile and fails on two: exported from an example batch of 1,
 #: which torch.export specializes to 1 (docs/checkpoints.md)
 _BATCH_OF_ONE_HINT = "; it takes a batch of one tile only (exported from one?): " + _DYNAMIC_BATCH
-#: torch.export's guard on a spatial size it exported static: "x.size()[2] == 224"
-_SPATIAL_GUARD = re.compile(r"size\(\)\[[23]\] == (\d+)")
-
-
-def _tile_size_hint(exc: Exception, tile_size: int) -> str:
-    """Why a program refuses the probe's tiles, if its guard says it takes another size."""
-    exported = _SPATIAL_GUARD.search(str(exc))
-    if exported is None or int(exported[1]) == tile_size:
-        return ""
-    return (
-        f"; the program takes tiles of {exported[1]} px, but model.json's tile_size is "
-        f"{tile_size}: make them agree"
-    )
-
-
 #: Where loading an untrained checkpoint is announced, once a process for each (its own name:
 #: a harness that reports it already can silence it alone).
 untrained_log = logging.getLogger("histoinfer.untrained")
@@ -228,6 +212,8 @@ class ServerModel:
                 f"(modes = ('embed',))"
             )
         self.device = torch.device(device)
+        if self.device.type == "cpu":  # "cpu:0" too: the one CPU (device_thread.device_key)
+            self.device = torch.device("cpu")
         mean = torch.tensor(assets.mean, dtype=torch.float32).view(1, 3, 1, 1)
         std = torch.tensor(assets.std, dtype=torch.float32).view(1, 3, 1, 1)
         # (x / 255 - mean) / std  ==  x * scale + shift: one fused pass over the batch.
@@ -579,7 +565,10 @@ class ServerModel:
             with torch.inference_mode():
                 difference = scripted_equal(self.checkpoint.program, scripted, batches)
             if difference is None:
-                script_cache.save(self.checkpoint.sha256, scripted, self.checkpoint.input_dtype)
+                checkpoint = self.checkpoint
+                script_cache.save(
+                    checkpoint.sha256, scripted, checkpoint.input_dtype, checkpoint.input_size
+                )
                 self.checkpoint = replace(self.checkpoint, program=scripted, scripted=True)
                 return "TorchScript interpreter"
             why = difference
@@ -633,6 +622,15 @@ class ServerModel:
         exported for a fixed batch, or one that squeezes its batch dimension, would otherwise
         load and then fail (or answer wrongly) only at low load."""
         size = self.assets.tile_size
+        exported = self.checkpoint.input_size
+        if exported is not None and exported != (size, size):
+            # Else the probe failed with torch's guard alone ("x.size()[2] == 224"), or from
+            # the TorchScript cache with no word of sizes (a user trial).
+            raise CheckpointError(
+                f"checkpoint {self.checkpoint.path} was exported for tiles of "
+                f"{exported[0]}x{exported[1]} px, but its assets (model.json) say tile_size "
+                f"{size}: make them agree"
+            )
         # Seeded noise, not zeros: a program fed the wrong dtype (an AOTInductor package compiled
         # for bfloat16 reads a float32 batch's bytes as bfloat16) answers garbage, not an error.
         seeded = torch.Generator().manual_seed(0)
@@ -650,10 +648,8 @@ class ServerModel:
                 except Exception as exc:
                     if n == 1:
                         hint = _LONE_PROBE_HINT
-                    elif self._takes_one_tile(mode):
-                        hint = _BATCH_OF_ONE_HINT
                     else:
-                        hint = _tile_size_hint(exc, size)
+                        hint = _BATCH_OF_ONE_HINT if self._takes_one_tile(mode) else ""
                     raise CheckpointError(
                         f"checkpoint {self.checkpoint.path} failed on a [{n}, 3, {size}, {size}] "
                         f"probe batch ({mode}): {first_line(exc)}{hint}"

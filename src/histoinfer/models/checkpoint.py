@@ -18,7 +18,7 @@ import struct
 import warnings
 import zipfile
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Literal
@@ -31,6 +31,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointKind",
     "LoadedCheckpoint",
+    "in_the_folder",
     "load_checkpoint",
     "resolve_device",
     "sniff_kind",
@@ -60,6 +61,9 @@ class LoadedCheckpoint:
     #: ``program`` is the checkpoint's TorchScript translation, already checked against the
     #: exported program when it was made (models/scripted.py, models/script_cache.py)
     scripted: bool = False
+    #: The tile size (height, width) a ``torch.export`` program was exported for, where its
+    #: graph fixes it; None where it does not say (an AOTInductor package, dynamic sizes).
+    input_size: tuple[int, int] | None = None
 
 
 def sniff_kind(path: Path) -> CheckpointKind:
@@ -67,12 +71,25 @@ def sniff_kind(path: Path) -> CheckpointKind:
     return _sniff(path)[0]
 
 
+def in_the_folder(path: Path) -> str:
+    """A hint for a folder given as a checkpoint (``export --out`` makes one): its files."""
+    try:
+        files = sorted(p.name for p in path.glob("*.pt2") if p.is_file())
+    except OSError:
+        return ""
+    if not files:
+        return ""
+    return (
+        f" (a folder: give the checkpoint file in it, {' or '.join(str(path / f) for f in files)})"
+    )
+
+
 def _sniff(path: Path) -> tuple[CheckpointKind, list[zipfile.ZipInfo]]:
     """Which kind of ``.pt2`` this is, and the archive's members."""
     if not path.exists():
         raise CheckpointError(f"checkpoint file not found: {path}")
     if not path.is_file():
-        raise CheckpointError(f"checkpoint path is not a file: {path}")
+        raise CheckpointError(f"checkpoint path is not a file: {path}{in_the_folder(path)}")
     try:
         with zipfile.ZipFile(path) as archive:
             members = archive.infolist()
@@ -188,12 +205,26 @@ def _damaged_compressed(path: Path, members: list[zipfile.ZipInfo]) -> list[zipf
 
 def resolve_device(device: str | torch.device, path: Path) -> torch.device:
     """``device`` as a ``torch.device`` this process can use, or an error naming the file."""
+    if not isinstance(device, (str, torch.device)):  # torch's words stop at "expected one of:"
+        raise CheckpointError(
+            f"cannot load checkpoint {path}: device must be a string such as 'cpu' or 'cuda:0', "
+            f"or a torch.device; got {type(device).__name__}"
+        )
     try:
         resolved = torch.device(device)
     except (RuntimeError, TypeError, ValueError) as exc:
         raise CheckpointError(
             f"cannot load checkpoint {path}: {device!r} is not a torch device ({first_line(exc)})"
         ) from None
+    if resolved.type == "cpu":
+        if resolved.index:
+            # torch takes it, and runs on the one CPU device; here it would have been a device
+            # of its own, with a forward thread of its own beside cpu's (two passes at once).
+            raise CheckpointError(
+                f"cannot load checkpoint {path} on {device!r}: the CPU is one device, with no "
+                "index; use device='cpu' (its passes use every core)"
+            )
+        return torch.device("cpu")
     if resolved.type == "cuda":
         if not torch.cuda.is_available():
             raise CheckpointError(
@@ -273,6 +304,22 @@ def input_dtype(program: object) -> torch.dtype:
     return torch.float32
 
 
+def input_size(program: object) -> tuple[int, int] | None:
+    """The (height, width) of the tiles a ``torch.export`` program takes, where its graph fixes
+    them (the example it was traced with, sizes not made dynamic); None where it does not say."""
+    graph = getattr(program, "graph", None)
+    nodes = getattr(graph, "nodes", ())
+    for node in nodes if isinstance(nodes, Iterable) else ():  # a TorchScript graph's is a method
+        if node.op == "placeholder":
+            shape = getattr(node.meta.get("val"), "shape", None)
+            if shape is not None and len(shape) == 4:
+                height, width = shape[2], shape[3]
+                if type(height) is int and type(width) is int:  # a SymInt is dynamic
+                    return height, width
+            break
+    return None
+
+
 def first_line(exc: BaseException) -> str:
     """The first line of an exception's message (torch's run to pages), or its type."""
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
@@ -295,8 +342,10 @@ def load_checkpoint(
 
         cached = cache.load(sha256)
         if cached is not None:
-            module, dtype = cached
-            return LoadedCheckpoint(path, kind, sha256, module, input_dtype=dtype, scripted=True)
+            module, dtype, size = cached
+            return LoadedCheckpoint(
+                path, kind, sha256, module, input_dtype=dtype, scripted=True, input_size=size
+            )
     try:
         program = _load_program(path, kind, resolved)
     except Exception as exc:
@@ -308,4 +357,11 @@ def load_checkpoint(
         dtype = input_dtype(program)
     except ValueError as exc:
         raise CheckpointError(f"checkpoint {path} ({kind}): {exc}") from None
-    return LoadedCheckpoint(path=path, kind=kind, sha256=sha256, program=program, input_dtype=dtype)
+    return LoadedCheckpoint(
+        path=path,
+        kind=kind,
+        sha256=sha256,
+        program=program,
+        input_dtype=dtype,
+        input_size=input_size(program),
+    )

@@ -161,9 +161,12 @@ def helper_threads(device: torch.device | str, count: int) -> list[DeviceThread]
 
 
 def device_key(device: torch.device | str) -> str:
-    """``device`` named with its index: a bare ``cuda`` means the current CUDA device."""
+    """``device`` named with its index: a bare ``cuda`` means the current CUDA device, and
+    every CPU index the one CPU."""
     resolved = torch.device(device)
-    if resolved.type == "cpu" or resolved.index is not None:
+    if resolved.type == "cpu":  # one device, whatever index it was given ("cpu:0")
+        return "cpu"
+    if resolved.index is not None:
         return str(resolved)
     cuda = resolved.type == "cuda" and torch.cuda.is_available()
     index = torch.cuda.current_device() if cuda else 0

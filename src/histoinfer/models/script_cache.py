@@ -103,8 +103,11 @@ def _trusted(path: Path) -> bool:
     return not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
 
 
-def load(sha256: str) -> tuple[torch.jit.ScriptModule, torch.dtype] | None:
-    """The translation saved for the checkpoint of ``sha256``, and its input dtype; or None."""
+def load(
+    sha256: str,
+) -> tuple[torch.jit.ScriptModule, torch.dtype, tuple[int, int] | None] | None:
+    """The translation saved for the checkpoint of ``sha256``, its input dtype and the tile
+    size its program was exported for (None: not fixed); or None."""
     path = _entry(sha256)
     if path is None or not path.is_file():
         return None
@@ -119,21 +122,34 @@ def load(sha256: str) -> tuple[torch.jit.ScriptModule, torch.dtype] | None:
         dtype = getattr(torch, meta["input_dtype"])
         if meta["sha256"] != sha256 or not isinstance(dtype, torch.dtype):
             raise ValueError("its record names another checkpoint or no dtype")
+        size = meta["input_size"]
+        if size is not None:
+            height, width = size
+            size = (int(height), int(width))
     except Exception as exc:  # any damage: the slow way, and the entry is written again
         log.debug("TorchScript cache entry %s not used: %r", path, exc)
         return None
     module.eval()
     with contextlib.suppress(OSError):
         os.utime(path)  # used: kept by the pruning in save()
-    return module, dtype
+    return module, dtype, size
 
 
-def save(sha256: str, module: torch.jit.ScriptModule, input_dtype: torch.dtype) -> None:
+def save(
+    sha256: str,
+    module: torch.jit.ScriptModule,
+    input_dtype: torch.dtype,
+    input_size: tuple[int, int] | None = None,
+) -> None:
     """Keep ``module`` for the next load of the checkpoint of ``sha256`` (best effort)."""
     path = _entry(sha256)
     if path is None:
         return
-    meta = {"sha256": sha256, "input_dtype": str(input_dtype).removeprefix("torch.")}
+    meta = {
+        "sha256": sha256,
+        "input_dtype": str(input_dtype).removeprefix("torch."),
+        "input_size": input_size,
+    }
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         handle, temporary = tempfile.mkstemp(

@@ -32,6 +32,7 @@ from ..clients.inprocess import InProcessClient
 from ..models import ServerModel
 from ..models.assets import ASSETS_FILE
 from ..models.base import assets_folder
+from ..models.checkpoint import CheckpointError, in_the_folder, resolve_device
 from ..models.registry import UnknownModelError, model_class
 from .app import ClientSource, ServerState, create_app
 from .metrics import UNKNOWN
@@ -227,6 +228,10 @@ def model_sources(args: argparse.Namespace) -> dict[str, ClientSource]:
             f"{len(args.assets or [])} --assets"
         )
     sources: dict[str, ClientSource] = {}
+    try:  # a device this process cannot use is refused before the port is bound, too
+        resolve_device(args.device, checkpoints[0])
+    except CheckpointError as exc:
+        raise CommandError(str(exc)) from None
     for spec, checkpoint, assets_dir in zip(models, checkpoints, assets, strict=True):
         name, _, key = spec.partition("=")
         key = key or name
@@ -240,7 +245,10 @@ def model_sources(args: argparse.Namespace) -> dict[str, ClientSource]:
                 f"here; serve it as NAME={key}"
             )
         if not checkpoint.is_file():
-            raise CommandError(f"checkpoint {checkpoint} for model {name!r} is not a file")
+            raise CommandError(
+                f"checkpoint {checkpoint} for model {name!r} is not a file"
+                f"{in_the_folder(checkpoint)}"
+            )
         try:
             cls = model_class(key)  # an unknown key is refused before the port is bound
         except UnknownModelError as exc:
