@@ -1276,3 +1276,14 @@ async def test_the_warm_up_runs_on_the_device_thread(tiny_model):
         pass
     assert watch.calls == 3  # one pass per mode
     assert set(idents) == {device_thread("cpu").ident}
+
+
+async def test_an_app_runs_once_and_a_second_start_says_so(tiny_model):
+    """Started again, it closed nothing and loaded nothing, and its readiness said "draining"
+    for ever (a user trial, with a test fixture reusing the app)."""
+    app = create_app(fresh_client(tiny_model))
+    async with app.router.lifespan_context(app):
+        pass
+    with pytest.raises(RuntimeError, match=r"an app runs once: call create_app\(\) again"):
+        async with app.router.lifespan_context(app):
+            pass

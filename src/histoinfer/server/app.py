@@ -265,6 +265,8 @@ class ServerState:
         self.stopping = False
         #: New requests are refused (503 ``closed``); those in flight go on.
         self.draining = False
+        #: How many times the app's lifespan has started (it may run once).
+        self.lifespans = 0
         #: The graceful timeout is about to run out: requests still in flight are cancelled
         #: and answered 503 ``closed`` (retry elsewhere), not cut off by the server.
         self.out_of_time = False
@@ -806,7 +808,8 @@ def create_app(
             number larger than its memory.
 
     The app must run its lifespan (every ASGI server does; in tests use
-    ``async with app.router.lifespan_context(app)``). Its :class:`ServerState` is
+    ``async with app.router.lifespan_context(app)``), once: it closes the clients as it ends,
+    and a second start raises ``RuntimeError``. Its :class:`ServerState` is
     ``app.state.histoinfer``.
     """
     if isinstance(models, InProcessClient):
@@ -827,6 +830,14 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if state.lifespans:
+            # Its clients were closed as the first run ended: started again, it answered
+            # "draining" for ever (a user trial, with a test fixture reusing the app).
+            raise RuntimeError(
+                "this app has run once, and closed its models' clients as it stopped; an app "
+                "runs once: call create_app() again for another run"
+            )
+        state.lifespans += 1
         async with anyio.create_task_group() as tg:
             tg.start_soon(state.load_all)
             tg.start_soon(state.watch_bodies)
