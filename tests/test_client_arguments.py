@@ -37,6 +37,24 @@ def test_http_client_model_must_be_a_route_name() -> None:
             HttpClient(URL, model=bad)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("base_url", "said"),
+    [
+        ("127.0.0.1:8080", "(did you mean 'http://127.0.0.1:8080'?)"),
+        ("localhost:8080", "(did you mean 'http://localhost:8080'?)"),
+        ("ftp://host", "got 'ftp://host'"),
+        ("http://", "got 'http://'"),
+    ],
+)
+def test_http_client_base_url_must_be_an_http_url(base_url: str, said: str) -> None:
+    """It was taken, and every call failed with httpx's UnsupportedProtocol (a user trial)."""
+    with pytest.raises(ValueError, match=r"^base_url must be an http:// or https:// URL") as info:
+        HttpClient(base_url)
+    assert str(info.value).endswith(said)
+    with pytest.raises(TypeError, match="base_url must be a str, got NoneType"):
+        HttpClient(None)  # type: ignore[arg-type]
+
+
 def test_good_http_client_arguments_are_kept() -> None:
     client = HttpClient(URL, timeout=2, retries=0, backoff=0, max_connections=1, max_in_flight=None)
     assert (client.timeout, client.retries, client.max_in_flight) == (2, 0, None)

@@ -99,6 +99,22 @@ _PLACEHOLDERS: dict[type, object] = {
 }
 
 
+def _check_base_url(base_url: object) -> None:
+    """An http(s) URL with a host: "127.0.0.1:8080" was taken, and every call then failed
+    with httpx's UnsupportedProtocol (a user trial)."""
+    if not isinstance(base_url, str):
+        raise TypeError(f"base_url must be a str, got {type(base_url).__name__}")
+    try:
+        url = httpx.URL(base_url)
+    except httpx.InvalidURL as exc:
+        raise ValueError(f"base_url {base_url!r} is not a URL ({exc})") from None
+    if url.scheme not in ("http", "https") or not url.host:
+        hint = f" (did you mean 'http://{base_url}'?)" if "://" not in base_url else ""
+        raise ValueError(
+            f"base_url must be an http:// or https:// URL with a host, got {base_url!r}{hint}"
+        )
+
+
 @documented_as_client
 class HttpClient(ClosingContext):
     """Runs the ``Client`` protocol against a histoinfer server (``histoinfer serve``).
@@ -152,6 +168,7 @@ class HttpClient(ClosingContext):
         check_seconds("backoff", backoff, zero_ok=True)
         check_seconds("max_backoff", max_backoff, zero_ok=True)
         check_count("max_in_flight", max_in_flight, none_ok=True)
+        _check_base_url(base_url)
         if not isinstance(model, str) or not model or "/" in model:
             # The server decodes %2F before routing: "h1/batch" would reach the batch route.
             raise ValueError(f"model must be a route name without '/', got {model!r}")
