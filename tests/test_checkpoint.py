@@ -220,7 +220,8 @@ def test_compressed_members_are_checked_too(tmp_path: Path) -> None:
         ("cpu:7", "the CPU is one device, with no index; use device='cpu'"),
         (
             None,
-            "device must be a string such as 'cpu' or 'cuda:0', or a torch.device; got NoneType",
+            "device must be a string such as 'cpu' or 'cuda:0', a torch.device or a CUDA "
+            "index; got NoneType",
         ),
         pytest.param(
             "cuda",

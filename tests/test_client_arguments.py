@@ -44,6 +44,8 @@ def test_http_client_model_must_be_a_route_name() -> None:
         ("localhost:8080", "(did you mean 'http://localhost:8080'?)"),
         ("ftp://host", "got 'ftp://host'"),
         ("http://", "got 'http://'"),
+        ("http:/host", "got 'http:/host'"),  # no "did you mean 'http://http:/host'"
+        ("//host:8080", "got '//host:8080'"),
     ],
 )
 def test_http_client_base_url_must_be_an_http_url(base_url: str, said: str) -> None:

@@ -10,10 +10,13 @@ import os
 import pickle
 import select
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import anyio
 import pytest
@@ -22,10 +25,8 @@ from helpers import make_body
 from histoinfer import HttpClient, InProcessClient, ServerModel
 from histoinfer.errors import ClientClosedError
 
-pytestmark = [
-    pytest.mark.timeout(60),
-    pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform"),
-]
+pytestmark = pytest.mark.timeout(180)
+needs_fork = pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
 
 
 def in_forked_child(work: Callable[[], object], limit_s: float = 20.0) -> str:
@@ -66,6 +67,7 @@ def used_client(tiny_model: ServerModel) -> Iterator[InProcessClient]:
     client.close()
 
 
+@needs_fork
 @pytest.mark.parametrize("call", ["predict", "predict_batch", "metadata", "asyncio", "trio"])
 def test_an_inprocess_client_refuses_every_call_in_a_forked_child(
     used_client: InProcessClient, call: str
@@ -87,6 +89,7 @@ def test_an_inprocess_client_refuses_every_call_in_a_forked_child(
     assert json.loads(used_client.predict(make_body(3)))["patch_idx"] == 3
 
 
+@needs_fork
 def test_a_forked_child_closes_the_inherited_client_and_runs_one_of_its_own(
     used_client: InProcessClient, tiny_model: ServerModel
 ) -> None:
@@ -105,9 +108,15 @@ def test_a_forked_child_closes_the_inherited_client_and_runs_one_of_its_own(
 
 
 class _PeerPort(BaseHTTPRequestHandler):
-    """Answers every GET with the client's port: which connection the request came on."""
+    """Answers every GET with the client's port: which connection the request came on; a POST
+    likewise, after a second."""
 
     protocol_version = "HTTP/1.1"  # keep-alive
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        time.sleep(1.0)
+        self.do_GET()
 
     def do_GET(self) -> None:
         body = json.dumps({"port": self.client_address[1]}).encode()
@@ -131,6 +140,7 @@ def peer_port_server() -> Iterator[str]:
     server.server_close()
 
 
+@needs_fork
 def test_an_http_client_in_a_forked_child_sends_on_connections_of_its_own(
     peer_port_server: str,
 ) -> None:
@@ -159,6 +169,96 @@ def test_neither_client_pickles_and_the_error_says_what_to_do(
         with pytest.raises(TypeError) as refused:
             pickle.dumps(client)
         said = str(refused.value)
-        assert said.startswith(f"{type(client).__name__} cannot be pickled: it holds {holds}")
+        assert said.startswith(
+            f"{type(client).__name__} cannot be pickled or copied: it holds {holds}"
+        )
         assert "in its initializer" in said
     http.close()
+
+
+@needs_fork
+def test_an_http_client_in_a_forked_child_has_its_own_in_flight_slots(
+    peer_port_server: str,
+) -> None:
+    """A parent's call in flight at the fork held a slot that no thread of the child would
+    ever give back: with max_in_flight=1, the child's first call waited for ever."""
+    client = HttpClient(peer_port_server, model="m", max_in_flight=1, timeout=30)
+    try:
+        in_flight = threading.Thread(target=client.predict, args=("{}",))
+        in_flight.start()
+        time.sleep(0.3)  # its POST holds the one slot for a second
+        said = in_forked_child(lambda: json.loads(client.metadata())["port"], limit_s=10)
+        assert said.isdigit(), said
+        in_flight.join(10)
+    finally:
+        client.close()
+
+
+_POOL_SCRIPT = """
+import os, sys
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+
+from histoinfer import InProcessClient
+from histoinfer.bench.bodies import make_bodies
+from histoinfer.errors import ClientClosedError
+
+CHECKPOINT = sys.argv[1]
+client = InProcessClient.from_checkpoint("h1", CHECKPOINT)  # module-level, used before forks
+own = None
+
+
+def start_worker():
+    global own
+    own = InProcessClient.from_checkpoint("h1", CHECKPOINT)
+
+
+def inherited(body):
+    try:
+        client.predict(body)
+    except ClientClosedError as exc:
+        return "refused" if "is a fork of it" in str(exc) else repr(exc)
+    return "answered"
+
+
+def work(body):
+    return inherited(body), own.predict(body)
+
+
+if __name__ == "__main__":
+    bodies = make_bodies(4)
+    want = [client.predict(body) for body in bodies]
+    with ProcessPoolExecutor(2, mp_context=get_context("fork"), initializer=start_worker) as pool:
+        results = list(pool.map(work, bodies))
+    assert [r[0] for r in results] == ["refused"] * 4, results
+    assert [r[1] for r in results] == want  # one tile a pass, as here: the same bytes
+    pid = os.fork()
+    if pid == 0:  # a plain fork that exits as a script does: atexit handlers and finalizers run
+        assert inherited(bodies[0]) == "refused"
+        client.close()
+        sys.exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert status == 0, status
+    client.close()
+    print("ok")
+"""
+
+
+@needs_fork
+def test_a_fork_pool_with_a_module_level_client_and_worker_clients_runs_and_exits(
+    tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    """The scenario of a user trial, in a process of its own: a module-level client used
+    before the fork, a fork ProcessPoolExecutor whose initializer makes each worker's client,
+    and a forked child that exits normally (its atexit handlers run: they must not wait on the
+    parent's threads)."""
+    script = tmp_path / "pool.py"
+    script.write_text(_POOL_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tiny_checkpoint)],
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    assert "Task was destroyed" not in done.stderr, done.stderr[-3000:]

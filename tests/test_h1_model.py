@@ -248,12 +248,17 @@ def test_a_killed_exports_private_folder_is_removed_by_the_next_an_hour_later(
     tmp_path: Path,
 ) -> None:
     final = tmp_path / "model.pt2"
-    abandoned, running = (tmp_path / f".model.pt2.partial-{n}-0a1b2c3d" for n in (1, 2))
-    for folder in abandoned, running:
+    dead = _a_pid_that_is_not_running()
+    abandoned, young, alive = (
+        tmp_path / f".model.pt2.partial-{pid}-0a1b2c3d" for pid in (dead, dead, os.getpid())
+    )
+    young = young.with_name(young.name.replace("0a1b2c3d", "4e5f6a7b"))
+    for folder in abandoned, young, alive:
         folder.mkdir()
         (folder / "model.pt2").write_text("half")
     hour_ago = time.time() - 3601
-    os.utime(abandoned, (hour_ago, hour_ago))
+    for folder in abandoned, alive:  # a long AOTInductor compile writes nothing for minutes
+        os.utime(folder, (hour_ago, hour_ago))
     other = tmp_path / ".assets.json.partial-1-0a1b2c3d"  # another file's: its own export's
     other.mkdir()
     os.utime(other, (hour_ago, hour_ago))
@@ -261,5 +266,18 @@ def test_a_killed_exports_private_folder_is_removed_by_the_next_an_hour_later(
         partial.write_text("whole")
     assert final.read_text() == "whole"
     assert not abandoned.exists()
-    assert (running / "model.pt2").read_text() == "half"  # another export, maybe still running
+    assert (young / "model.pt2").read_text() == "half"  # another export, maybe still writing
+    assert (alive / "model.pt2").read_text() == "half"  # its writer still runs
     assert other.exists()
+
+
+def _a_pid_that_is_not_running() -> int:
+    pid = 4_000_000  # above Linux's largest pid_max (2**22): never a running process
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return pid
+        except OSError:
+            pass
+        pid += 1

@@ -279,6 +279,23 @@ async def test_a_batch_function_that_always_fails_counts_no_batch() -> None:
     assert snap.errors == 6 and snap.batches == 1 and snap.samples == 1  # [100] alone
 
 
+async def test_a_failed_pass_counts_as_busy_time_but_not_as_a_batch() -> None:
+    """A GPU out of memory occupies the device as much as a pass that answers: utilization
+    (forward_busy_s) counts it, the batches do not."""
+
+    def slow_failure(items: list[int]) -> list[int]:
+        time.sleep(0.05)
+        raise MemoryError("out of memory")
+
+    sched = BatchScheduler(slow_failure, max_batch_size=4)
+    with anyio.fail_after(10), pytest.raises(MemoryError):
+        await sched.submit(1)
+    snap = sched.stats.snapshot()
+    assert snap.batches == 0 and snap.errors == 1
+    assert snap.forward_busy_s >= 0.05 and sum(snap.forward_buckets) == 0
+    await sched.aclose()
+
+
 class _UsersOwnBaseException(BaseException):
     pass
 

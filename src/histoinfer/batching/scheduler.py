@@ -609,6 +609,7 @@ class BatchScheduler(Generic[T, R]):
             # now; the device has work meanwhile.
             handoff.fire()
             handoff = None
+        self._last_pass_s = 0.0
         try:
             if self._thread is not None:
                 results = await wait_future(self._thread(partial(self._call, pendings, handoff)))
@@ -621,6 +622,8 @@ class BatchScheduler(Generic[T, R]):
                 handoff.fire()
             if not isinstance(exc, Exception):
                 raise
+            if self._last_pass_s:  # it ran, and failed: the device was busy all the same
+                self._count(self.stats.record_failed_pass, self._last_pass_s)
             # Callers that left before it started are out of it (nobody waits for them): a
             # failing item must not rerun once per neighbour that left.
             pendings = [p for p in pendings if p.state in (_DISPATCHED, _RUNNING)]

@@ -55,7 +55,8 @@ class StatsSnapshot:
     #: is above the largest bound), and the waits' sum in seconds
     queue_wait_buckets: list[int] = field(default_factory=list)
     queue_wait_total_s: float = field(default=0.0)
-    #: batches by forward time, the same way (their sum is ``forward_busy_s``)
+    #: batches by forward time, the same way (``forward_busy_s`` is their sum, plus the time
+    #: of passes that failed)
     forward_buckets: list[int] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
@@ -99,6 +100,12 @@ class BatchStats:
                 buckets[place] += 1
             self._wait_total += sum(waits)
             self._forward_buckets[bisect_left(DURATION_BOUNDS, forward_s)] += 1
+
+    def record_failed_pass(self, forward_s: float) -> None:
+        """A pass that raised (its batch is bisected): the device was busy, but it is no
+        batch and answered nobody."""
+        with self._lock:
+            self._forward_busy += forward_s
 
     def record_error(self, kind: str, count: int = 1) -> None:
         with self._lock:

@@ -109,7 +109,8 @@ def _check_base_url(base_url: object) -> None:
     except httpx.InvalidURL as exc:
         raise ValueError(f"base_url {base_url!r} is not a URL ({exc})") from None
     if url.scheme not in ("http", "https") or not url.host:
-        hint = f" (did you mean 'http://{base_url}'?)" if "://" not in base_url else ""
+        bare = "://" not in base_url and not base_url.lower().startswith(("http:", "https:", "/"))
+        hint = f" (did you mean 'http://{base_url}'?)" if bare else ""
         raise ValueError(
             f"base_url must be an http:// or https:// URL with a host, got {base_url!r}{hint}"
         )
@@ -218,6 +219,7 @@ class HttpClient(ClosingContext):
         (over TLS, a close here would end the parent's sessions too). Nor do the parent's calls in
         flight, or their slots, exist here."""
         self._lock = threading.Lock()
+        self._options.after_fork()
         # Kept, unused: collected, their sockets would be closed (and warn of it).
         self._left_by_the_parent = (self._sync, self._pools)
         self._sync, self._pools = None, {}
@@ -852,6 +854,11 @@ class _ClientOptions:
         self.shards = shards
         self.share_tls = share_tls
         self.shared = False
+        self._lock = threading.Lock()
+
+    def after_fork(self) -> None:
+        """In a forked child: a parent thread may have held the lock (building the TLS
+        context, ~50 ms) as the process forked."""
         self._lock = threading.Lock()
 
     def share(self) -> None:

@@ -581,6 +581,8 @@ class InProcessClient(ClosingContext):
         self._portal: PortalThread | None = None
         self._threads_lock = threading.Lock()
         self._portal_finalizer: weakref.finalize[Any, Any] | None = None
+        self._batch_decoder_finalizer: weakref.finalize[Any, Any] | None = None
+        self._made_in = os.getpid()  # the process whose threads run it
         metadata = server_model.metadata().model_copy(
             update={
                 "batching": BatchingSettings(
@@ -600,11 +602,15 @@ class InProcessClient(ClosingContext):
         ProcessPoolExecutor's workers with a module-level client hung). Every call is refused
         saying why and what to do; ``close()`` has nothing left to stop."""
         self._threads_lock = threading.Lock()
-        if self._portal_finalizer is not None:
-            self._portal_finalizer.detach()
+        for finalizer in (self._portal_finalizer, self._batch_decoder_finalizer):
+            if finalizer is not None:  # at exit, it would wait on the parent's threads' locks
+                finalizer.detach()
         self._portal, self._portal_finalizer, self._batch_decoder = None, None, None
+        self._batch_decoder_finalizer = None
         self._loops.forget_after_fork()
-        self._calls.after_fork(refuse=_forked_away(os.getppid()))
+        # The child's own (empty): the parent's threads may have held their locks at the fork.
+        self._stats = {mode: BatchStats() for mode in MODES}
+        self._calls.after_fork(refuse=_forked_away(self._made_in))
 
     @classmethod
     def from_checkpoint(
@@ -976,7 +982,9 @@ class InProcessClient(ClosingContext):
                 self._batch_decoder = ThreadPoolExecutor(
                     self.batch_decode_threads, thread_name_prefix="histoinfer-batch-decode"
                 )
-                weakref.finalize(self, self._batch_decoder.shutdown, wait=False)
+                self._batch_decoder_finalizer = weakref.finalize(
+                    self, self._batch_decoder.shutdown, wait=False
+                )
             return self._batch_decoder
 
     def _forward_chunk(self, chunk: list[Prepared], mode: Mode, offset: int) -> list[SampleOutput]:

@@ -195,8 +195,8 @@ class ClosingContext:
     def __reduce__(self) -> NoReturn:
         # Said plainly: pickle's own error named an internal (an fx GraphModule, a lock).
         raise TypeError(
-            f"{type(self).__name__} cannot be pickled: it holds {self._holds}. Make one in "
-            "each process (for a ProcessPoolExecutor, in its initializer) and send bodies"
+            f"{type(self).__name__} cannot be pickled or copied: it holds {self._holds}. Make "
+            "one in each process (for a ProcessPoolExecutor, in its initializer) and send bodies"
         )
 
     def __exit__(

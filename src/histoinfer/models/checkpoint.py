@@ -203,12 +203,13 @@ def _damaged_compressed(path: Path, members: list[zipfile.ZipInfo]) -> list[zipf
     return damaged
 
 
-def resolve_device(device: str | torch.device, path: Path) -> torch.device:
+def resolve_device(device: str | torch.device | int, path: Path) -> torch.device:
     """``device`` as a ``torch.device`` this process can use, or an error naming the file."""
-    if not isinstance(device, (str, torch.device)):  # torch's words stop at "expected one of:"
+    # torch's own words for None stop at "expected one of:"; an int is torch's CUDA index
+    if isinstance(device, bool) or not isinstance(device, (str, torch.device, int)):
         raise CheckpointError(
             f"cannot load checkpoint {path}: device must be a string such as 'cpu' or 'cuda:0', "
-            f"or a torch.device; got {type(device).__name__}"
+            f"a torch.device or a CUDA index; got {type(device).__name__}"
         )
     try:
         resolved = torch.device(device)

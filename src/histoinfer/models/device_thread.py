@@ -144,7 +144,17 @@ class DeviceThread:
 
 _THREADS: dict[str, DeviceThread] = {}
 _THREADS_GUARD = threading.Lock()
-_THREADS_PID = os.getpid()
+
+
+def _forget_after_fork() -> None:
+    """In a forked child: the parent's threads are not here (the child makes its own as it
+    needs them), nor stopped at its exit; and a parent thread may have held the guard."""
+    global _THREADS_GUARD
+    _THREADS_GUARD = threading.Lock()
+    _THREADS.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def device_thread(device: torch.device | str) -> DeviceThread:
@@ -174,11 +184,7 @@ def device_key(device: torch.device | str) -> str:
 
 
 def _registered(key: str) -> DeviceThread:
-    global _THREADS_PID
     with _THREADS_GUARD:
-        if os.getpid() != _THREADS_PID:  # a forked child inherits the dict, not the threads
-            _THREADS.clear()
-            _THREADS_PID = os.getpid()
         thread = _THREADS.get(key)
         if thread is None:
             thread = _THREADS[key] = DeviceThread(f"histoinfer-device-{key}")

@@ -7,6 +7,7 @@ user's own trained ``.pt2`` (same input/output contract) plugs in the same way.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -175,9 +176,26 @@ def _partial_prefix(final: Path) -> str:
 
 
 def _remove_abandoned(final: Path) -> None:
-    """Delete the private folders of ``final`` that a killed export left behind."""
+    """Delete the private folders of ``final`` that a killed export left behind: an hour old
+    (a folder's time is its last new file's: an AOTInductor compile writes nothing for
+    minutes), and not its writer's while that process runs here."""
     old = time.time() - ABANDONED_AFTER_S
-    for folder in final.parent.glob(f"{_partial_prefix(final)}*"):
+    prefix = _partial_prefix(final)
+    for folder in final.parent.glob(f"{glob.escape(prefix)}*"):
+        writer = folder.name.removeprefix(prefix).partition("-")[0]
         with suppress(OSError):
-            if folder.is_dir() and folder.stat().st_mtime < old:
+            if folder.is_dir() and folder.stat().st_mtime < old and not _running(writer):
                 shutil.rmtree(folder)
+
+
+def _running(pid: str) -> bool:
+    """Whether process ``pid`` runs here (a name that is no pid: as if it did, kept)."""
+    if not pid.isdigit():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's
+        return True
+    return True

@@ -264,7 +264,9 @@ class StatsCollector(Collector):
         busy = _per_mode(c, "forward_busy_seconds", "Time spent in forward passes.")
         h = HistogramMetricFamily
         wait_histogram = _per_mode(
-            h, "queue_wait_duration_seconds", "Queue wait of every request (for aggregating)."
+            h,
+            "queue_wait_duration_seconds",
+            "Queue wait of every request that queued (for aggregating).",
         )
         forward_histogram = _per_mode(
             h, "forward_duration_seconds", "Forward pass time of every batch (for aggregating)."
