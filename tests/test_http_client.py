@@ -293,7 +293,7 @@ def test_retry_policy_honours_retry_after_capped():
         return httpx.Response(status, headers=headers, json=problem, request=request)
 
     attempt = http_module._Attempt(client, "POST", str(request.url))
-    assert attempt.answered(answer(503, "3")) == 3.0
+    assert 3.0 <= attempt.answered(answer(503, "3")) <= 4.0  # capped at 4 of 4.5
     assert attempt.answered(answer(503, "60")) == 4.0  # capped
     with pytest.raises(OverloadedError, match="queue full; retry later"):
         attempt.answered(answer(503, "1"))  # retries exhausted: the mapped error
@@ -302,6 +302,21 @@ def test_retry_policy_honours_retry_after_capped():
     assert 0.5 <= fresh.answered(answer(504)) <= 1.0
     assert http_module._retry_after("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0  # in the past
     assert http_module._retry_after("soon") is None
+    client.close()
+
+
+def test_callers_refused_together_do_not_retry_together():
+    """Retry-After: 1 brought every refused caller back at one instant, wave after wave (a
+    user trial: 5 calls within 25 ms at 0.3, 1.3, 2.3 and 3.3 s). Never before the server's
+    time; spread over half as much again."""
+    client = HttpClient("http://127.0.0.1:1", retries=3, backoff=0.1, max_backoff=10.0)
+    request = httpx.Request("POST", "http://127.0.0.1:1/api/predict/h1")
+    busy = httpx.Response(503, headers={"retry-after": "1"}, content=b"busy", request=request)
+    delays = [
+        http_module._Attempt(client, "POST", str(request.url)).answered(busy) for _ in range(200)
+    ]
+    assert min(delays) >= 1.0 and max(delays) <= 1.5
+    assert max(delays) - min(delays) > 0.3  # spread, not one instant (P(fail) ~ 1e-60)
     client.close()
 
 

@@ -20,14 +20,16 @@ import pytest
 from concurrency_helpers import gated_model, hooked_model
 from helpers import make_body, outputs_close, request_dict, serving
 from prometheus_client.parser import text_string_to_metric_families
+from starlette.requests import Request
+from starlette.responses import Response
 
 from histoinfer import InProcessClient
-from histoinfer.errors import InvalidRequestError
+from histoinfer.errors import InvalidRequestError, OverloadedError
 from histoinfer.models.h1 import H1ServerModel
 from histoinfer.schema import Mode, ModelRequest, ModelResponse
 from histoinfer.server import ServerState, create_app
 from histoinfer.server import app as app_module
-from histoinfer.server.problems import LogThrottle
+from histoinfer.server.problems import LogThrottle, log_answer
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -634,10 +636,16 @@ async def test_bodies_past_the_servers_room_get_503_and_their_bytes_come_back(ti
                     assert (await scrape(http))["histoinfer_http_request_body_bytes"][()] == (
                         2 * size
                     )
-                    r = await http.post("/api/predict/h1", content=make_body(1))
+                    refused = make_body(1).encode()
+                    r = await http.post("/api/predict/h1", content=refused)
                     p = assert_problem(r, 503, "overloaded")
                     assert r.headers["retry-after"] == "7"
                     assert "--max-bodies-mb" in p["detail"]
+                    # Its figures as it was refused, the body's own size among them.
+                    assert (
+                        f"holds {2 * size} bytes of request bodies, and {len(refused)} more"
+                        in (p["detail"])
+                    )
                     assert f"limit of {2 * size + 100} bytes" in p["detail"]
                     # Chunked, with no length to refuse it by: refused once it does not fit.
                     chunks = [held_body[:100], held_body[100:]]
@@ -1188,12 +1196,39 @@ async def test_an_unhandled_error_names_its_request_in_the_log_and_the_answer(
 def test_the_log_throttle_says_how_many_it_left_out() -> None:
     now = [0.0]
     throttle = LogThrottle(every=60.0, clock=lambda: now[0])
-    assert throttle.due("overloaded") == 0  # the first: logged
+    assert throttle.due("overloaded") == (0, 0.0)  # the first: logged
     assert throttle.due("overloaded") is None and throttle.due("overloaded") is None
-    assert throttle.due("ModelExecutionError") == 0  # each kind on its own
-    now[0] = 60.0
-    assert throttle.due("overloaded") == 2  # logged, saying two were left out
+    assert throttle.due("ModelExecutionError") == (0, 0.0)  # each kind on its own
+    now[0] = 134.0
+    # Logged, saying two were left out since the last line, 134 s ago (not "in the last 60 s").
+    assert throttle.due("overloaded") == (2, 134.0)
     assert throttle.due("overloaded") is None
+
+
+def test_refusals_of_different_kinds_are_throttled_apart(caplog) -> None:
+    """A full queue and a server out of room for bodies are both 503 overloaded, but an
+    operator tunes different limits: one line stood for both, quoting only the first (a user
+    trial). The same kind with other figures is the same kind."""
+    throttle = LogThrottle(every=60.0)
+    request = Request({"type": "http", "method": "POST", "path": "/api/predict/h1", "headers": []})
+    refusals = [
+        OverloadedError("h1:predict: queue full (8 requests admitted); retry later"),
+        OverloadedError("h1:predict: queue full (8 requests admitted); retry later"),
+        OverloadedError(
+            "the server holds 4000000 bytes of request bodies, and 201251 more of this one's do "
+            "not fit in its limit of 4194304 bytes (--max-bodies-mb); retry later"
+        ),
+        OverloadedError(
+            "the server holds 3990000 bytes of request bodies, and 201251 more of this one's do "
+            "not fit in its limit of 4194304 bytes (--max-bodies-mb); retry later"
+        ),
+    ]
+    with caplog.at_level("WARNING", logger="histoinfer.server"):
+        for refusal in refusals:
+            log_answer(request, refusal, Response(), throttle)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert "queue full" in lines[0] and "--max-bodies-mb" in lines[1]
 
 
 async def scrape(http: httpx.AsyncClient) -> dict[str, dict[tuple[str, ...], float]]:

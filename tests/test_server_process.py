@@ -146,6 +146,11 @@ def test_sigterm_lets_in_flight_requests_finish_and_refuses_new_ones(tiny_checkp
         assert json.loads(response.text)["slide_name"] == "slow-3"
         assert_stopped_as_documented(server, server_args)
         assert "start-up heap frozen" in server.output()  # once the models were loaded
+        # The operator's record (under hypercorn there was none at all).
+        assert "SIGTERM: draining; requests in flight have" in server.output()
+        assert "draining: new requests are refused (503 closed); 1 in flight go on" in (
+            server.output()
+        )
 
 
 def post_in_thread(url: str, body: str) -> tuple[threading.Thread, dict[str, Any]]:
@@ -190,6 +195,7 @@ def test_requests_outlasting_the_graceful_timeout_are_answered_503_closed(
         assert "graceful timeout ran out" in response.json()["detail"]
         assert response.headers["retry-after"] == "1"
         assert_stopped_as_documented(server, server_args)
+        assert "1 request(s) still in flight are answered 503 closed" in server.output()
 
 
 @SERVERS
@@ -208,6 +214,9 @@ def test_during_the_drain_delay_readiness_fails_and_requests_are_served(
         r = httpx.post(server.base_url + "/api/predict/h1", content=make_body(1), timeout=30)
         assert r.status_code == 200, r.text
         assert_stopped_as_documented(server, server_args)
+        assert "SIGTERM: readiness fails now; new requests are refused after 3 s" in (
+            server.output()
+        )
 
 
 @SERVERS
@@ -226,6 +235,7 @@ def test_a_second_signal_lets_in_flight_requests_finish(tiny_checkpoint, server_
         assert "error" not in outcome, outcome.get("error")
         assert outcome["response"].status_code == 200, outcome["response"].text
         assert_stopped_as_documented(server, server_args, signal.SIGINT)
+        assert "SIGINT again: draining now" in server.output()
 
 
 def test_cli_argument_errors(tiny_checkpoint, capsys):

@@ -580,7 +580,9 @@ class _Attempt:
         if response is not None:
             retry_after = _retry_after(response.headers.get("retry-after"))
             if retry_after is not None:
-                delay = min(cap, retry_after)
+                # Not before the server's time, and spread over half as much again: callers it
+                # refused at once came back at one instant, wave after wave (a user trial).
+                delay = min(cap, max(retry_after, delay) * random.uniform(1.0, 1.5))
         self.number += 1
         return delay
 

@@ -185,12 +185,14 @@ class Arrival:
         self.held += size
         return True
 
-    def no_room(self) -> OverloadedError:
-        """The refusal when :meth:`hold` found no room: a 503, as a full queue's."""
+    def no_room(self, size: int) -> OverloadedError:
+        """The refusal when :meth:`fits` found no room for ``size`` more bytes: a 503, as a
+        full queue's. Made at once: by the time the body is drained, others may have left,
+        and the figures would say the body fitted (a user trial)."""
         return OverloadedError(
             f"the server holds {self._state.http.bodies_held} bytes of request bodies, and "
-            f"this one does not fit in its limit of {self._state.max_held_bytes} bytes "
-            "(--max-bodies-mb); retry later"
+            f"{size} more of this one's do not fit in its limit of "
+            f"{self._state.max_held_bytes} bytes (--max-bodies-mb); retry later"
         )
 
 
@@ -317,6 +319,11 @@ class ServerState:
 
     def begin_drain(self) -> None:
         """Refuse new requests (503 ``closed``) and fail readiness; in-flight ones go on."""
+        if not self.draining:
+            log.info(
+                "draining: new requests are refused (503 closed); %d in flight go on",
+                len(self.in_flight),
+            )
         self.stopping = self.draining = True
 
     @contextmanager
@@ -354,6 +361,12 @@ class ServerState:
         connection. Queued ones leave their queue; a ``/batch`` stops before its next pass."""
         self.begin_drain()
         self.out_of_time = True
+        if self.in_flight:
+            log.warning(
+                "the graceful timeout is running out: %d request(s) still in flight are "
+                "answered 503 closed",
+                len(self.in_flight),
+            )
         for arrival in list(self.in_flight):
             arrival.scope.cancel()
 
@@ -467,14 +480,15 @@ async def read_body(request: Request, limit: int, arrival: Arrival | None = None
     if declared.isdigit() and int(declared) > limit:
         await refuse_unread(request, arrival)
         raise PayloadTooLargeError(
-            f"request body is {int(declared)} bytes; the limit is {limit} bytes"
+            f"request body is {int(declared)} bytes; the limit is {limit} bytes (--max-body-mb)"
         )
     # A declared body that does not fit now is refused before any of it is read. Nothing is
     # reserved by the header: bytes count as they arrive, or a client declaring 64 MiB and
     # sending nothing would pin that much of the room (a review).
     if arrival is not None and declared.isdigit() and not arrival.fits(int(declared)):
+        refusal = arrival.no_room(int(declared))
         await refuse_unread(request, arrival)
-        raise arrival.no_room()
+        raise refusal
     chunks: list[bytes] = []
     size = 0
     stream = request.stream()
@@ -482,10 +496,13 @@ async def read_body(request: Request, limit: int, arrival: Arrival | None = None
         size += len(chunk)
         if size > limit:
             await _discard(stream, size, arrival)
-            raise PayloadTooLargeError(f"request body is over the limit of {limit} bytes")
+            raise PayloadTooLargeError(
+                f"request body is over the limit of {limit} bytes (--max-body-mb)"
+            )
         if arrival is not None and not arrival.hold(len(chunk)):
+            refusal = arrival.no_room(len(chunk))
             await _discard(stream, size, arrival)
-            raise arrival.no_room()
+            raise refusal
         chunks.append(chunk)
         if arrival is not None:  # the timeout runs between chunks: a slow link is no stall
             arrival.reading_since = time.monotonic()

@@ -369,6 +369,7 @@ def _run_uvicorn(app: Any, state: ServerState, args: argparse.Namespace) -> None
             # On the event loop (uvicorn's signal handler). Readiness fails at once; requests
             # are still served for --drain-delay, then new ones get 503 "closed" while those in
             # flight finish, and just before the graceful timeout the app answers the rest.
+            _log_signal(sig, state, args)
             if state.stopping:  # a second signal ends the delay, and goes no further: to
                 # uvicorn a second SIGINT is a force quit, which cuts off the requests in flight
                 # (a bare 500 or a dropped connection) instead of letting them finish
@@ -410,6 +411,28 @@ def _run_uvicorn(app: Any, state: ServerState, args: argparse.Namespace) -> None
 
     state.on_fatal = stop
     server.run()
+
+
+def _log_signal(sig: int, state: ServerState, args: argparse.Namespace) -> None:
+    """The operator's record of a stop signal and what follows it (before session 25 nothing
+    was logged until the server had stopped, or, under hypercorn, at all)."""
+    name = signal.Signals(sig).name
+    if state.stopping:
+        log.info("%s again: draining now", name)
+    elif args.drain_delay > 0:
+        log.info(
+            "%s: readiness fails now; new requests are refused after %g s (--drain-delay), "
+            "and those in flight then have %g s (--graceful-timeout)",
+            name,
+            args.drain_delay,
+            args.graceful_timeout,
+        )
+    else:
+        log.info(
+            "%s: draining; requests in flight have %g s (--graceful-timeout)",
+            name,
+            args.graceful_timeout,
+        )
 
 
 def _before_the_deadline(graceful_timeout: float) -> float:
@@ -467,7 +490,8 @@ def _run_hypercorn(app: Any, state: ServerState, args: argparse.Namespace) -> No
         async def on_signals(tg: anyio.abc.TaskGroup) -> None:
             hurry = anyio.Event()  # a second signal: drain now
             with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                async for _ in signals:
+                async for sig in signals:
+                    _log_signal(sig, state, args)
                     if state.stopping:
                         hurry.set()
                     else:

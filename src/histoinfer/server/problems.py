@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -172,21 +173,37 @@ class LogThrottle:
     def __init__(self, every: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.every = every
         self._clock = clock
-        self._next: dict[str, float] = {}
+        self._last: dict[str, float] = {}
         self._left_out: dict[str, int] = {}
 
-    def due(self, key: str) -> int | None:
-        """None to leave this one out; else how many of ``key`` were left out since the last."""
+    def due(self, key: str) -> tuple[int, float] | None:
+        """None to leave this one out; else how many of ``key`` were left out since the last
+        line logged for it, and how many seconds ago that was."""
         now = self._clock()
-        if now < self._next.get(key, now):
+        last = self._last.get(key)
+        if last is not None and now < last + self.every:
             self._left_out[key] = self._left_out.get(key, 0) + 1
             return None
-        self._next[key] = now + self.every
-        return self._left_out.pop(key, 0)
+        self._last[key] = now
+        return self._left_out.pop(key, 0), (now - last if last is not None else 0.0)
 
 
-def _since(left_out: int, every: float) -> str:
-    return f" ({left_out} more like it in the last {every:g} s)" if left_out else ""
+def _since(left_out: int, seconds: float) -> str:
+    # Since that line, not "in the last minute": a quiet spell makes it longer (a user trial
+    # read 1,102 refusals "in the last 60 s" that had come over 134).
+    if not left_out:
+        return ""
+    return f" ({left_out} more like it since the last such line, {seconds:.0f} s ago)"
+
+
+def _kind(exc: InferenceError) -> str:
+    """What a throttled line stands for: the error's words less their figures. A full queue
+    and a server out of room for bodies are both 503 ``overloaded``, but an operator tunes
+    different limits for them, and one line standing for both named only the first."""
+    return f"{exc.problem_slug}: {_FIGURES.sub('#', str(exc))}"
+
+
+_FIGURES = re.compile(r"\d+(\.\d+)?")
 
 
 def log_answer(
@@ -200,12 +217,13 @@ def log_answer(
     if status >= 500 and status != 503:
         key, level, trace = type(exc).__name__, logging.ERROR, True
     elif status == 503 and exc.problem_slug in ("overloaded", "deadline-exceeded"):
-        key, level, trace = exc.problem_slug, logging.WARNING, False
+        key, level, trace = _kind(exc), logging.WARNING, False
     else:
         return
-    left_out = throttle.due(key)
-    if left_out is None:
+    due = throttle.due(key)
+    if due is None:
         return
+    left_out, seconds = due
     log.log(
         level,
         "%s %s answered %d (request %s): %s%s",
@@ -214,7 +232,7 @@ def log_answer(
         status,
         logged_request_id(request, response),
         exc,
-        _since(left_out, throttle.every),
+        _since(left_out, seconds),
         exc_info=exc if trace else None,
     )
 
