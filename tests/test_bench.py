@@ -8,6 +8,7 @@ the JSON, Markdown and PNG outputs are produced and consistent.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import re
@@ -409,6 +410,10 @@ def test_run_bench_smoke_writes_json_markdown_and_plot(workdir: Path, tmp_path: 
         assert len(lone["p95_ms_rounds"]) == len(lone["p99_ms_rounds"]) == 2
 
     md = (out / "report.md").read_text()
+    # The libraries compared, as installed (anyio's read null: it has no __version__).
+    assert data["environment"]["anyio"] == importlib.metadata.version("anyio")
+    assert data["environment"]["async-batcher"] == importlib.metadata.version("async-batcher")
+    assert f"anyio {data['environment']['anyio']}, trio " in md
     assert "| model | variant | p50 ms | p95 ms | p99 ms | p50 per round |" in md
     assert "nearest-rank" in md
     assert "| model | path | mode | in flight |" in md
@@ -619,8 +624,12 @@ def test_a_target_is_decided_only_when_every_round_falls_on_one_side_of_it() -> 
     samples[("tiny", "dynamic-asyncio", "predict", 8)] = five
     samples[("tiny", "explicit", "predict", 8)] = [sample(400)] * 5
     checks = {(c.name, c.issue): c.as_dict() for c in throughput_checks(samples, cfg)}
-    assert verdict(checks[("dynamic / explicit loop", "3")]) == "met in every round (5 of 5)"
-    assert verdict(checks[("dynamic / explicit loop", "5")]) == "not met in any round (0 of 5)"
+    assert verdict(checks[("dynamic / explicit loop", "3")]) == (
+        "met in every round (5 of 5): decided"
+    )
+    assert verdict(checks[("dynamic / explicit loop", "5")]) == (
+        "not met in any round (0 of 5): decided"  # said (a user trial read it as undecided)
+    )
     samples[("tiny", "explicit", "predict", 8)] = []
     missing = throughput_checks(samples, cfg)[0].as_dict()
     assert missing["decided"] is None and verdict(missing) == "not measured"

@@ -81,7 +81,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "write report.json, report.md and report.png. Ratios are medians of interleaved "
         "rounds. See docs/benchmarks.md."
     )
-    parser.add_argument("--quick", action="store_true", help="fewer levels, tiles, rounds (<2 min)")
+    parser.add_argument(
+        "--quick", action="store_true", help="fewer levels, tiles, rounds (<2 min on 2 quiet cores)"
+    )
     parser.add_argument(
         "--out",
         type=Path,

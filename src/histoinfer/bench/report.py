@@ -104,9 +104,10 @@ def _checks_table(checks: list[dict[str, Any]]) -> list[str]:
     for c in checks:
         bound = ("≥ " if c["higher_is_better"] else "≤ ") + f"{c['target']:g}"
         rounds = ", ".join(f"{v:.2f}" for v in c["per_round"])
-        # Bold only what the rounds decided: a median met by chance is not a result.
-        decided = c["met"] and c.get("decided")
-        result = verdict(c).replace("met", "**met**", 1) if decided else verdict(c)
+        # Bold only what the rounds decided, met or not: a median met by chance is no result.
+        decided = c["met"] is not None and c.get("decided")
+        head = "met" if c["met"] else "not met"
+        result = verdict(c).replace(head, f"**{head}**", 1) if decided else verdict(c)
         issue = f"#{c['issue']}" if c["issue"] else "–"
         rows.append([c["name"], issue, _num(c["value"], 3), bound, rounds, result, c["detail"]])
     return _table(headers, rows)
@@ -164,6 +165,13 @@ def _profile_section(profile: dict[str, Any]) -> list[str]:
     return out
 
 
+def _libraries(env: dict[str, Any]) -> str:
+    """The async libraries and the peer, as installed (reports from before session 25 have
+    none: anyio's read null)."""
+    named = [f"{name} {env[name]}" for name in ("anyio", "trio", "async-batcher") if env.get(name)]
+    return "".join(f"{name}, " for name in named)
+
+
 def markdown(report: dict[str, Any]) -> str:
     """The report as Markdown: what ran, the tables, and the targets with their results."""
     env = report["environment"]
@@ -176,7 +184,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"`{report['command']}` — {report['date']}, {report['seconds']} s",
         "",
         f"{env['cpus']} CPUs, torch {env['torch']} ({env['torch_threads']} threads), "
-        f"Python {env['python']}, CUDA: {env['cuda']}, commit {env['commit']}, "
+        f"Python {env['python']}, {_libraries(env)}CUDA: {env['cuda']}, commit {env['commit']}, "
         f"load average {_load(env['load_average'])} → {_load(env.get('load_average_end'))}. "
         f"max_batch_size {cfg['max_batch_size']}, max_wait_ms {cfg['max_wait_ms']}"
         f"{precision}; "

@@ -334,7 +334,7 @@ def verdict(check: dict[str, Any]) -> str:
         return f"{head} {every}{undecided}: not decided"
     if not check.get("decided"):
         return f"{head} {every}; too few rounds to decide"
-    return f"{head} {every}"
+    return f"{head} {every}: decided"  # said, not left to the absence of a caveat
 
 
 #: (model, path, mode, level) -> one sample per round
@@ -872,9 +872,6 @@ def _git_commit() -> str | None:
 
 def environment() -> dict[str, Any]:
     """The machine and versions; torch's side comes from the children (``torch_environment``)."""
-    import anyio
-    import trio
-
     from .. import __version__
 
     return {
@@ -883,10 +880,20 @@ def environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
-        "anyio": anyio.__version__ if hasattr(anyio, "__version__") else None,
-        "trio": trio.__version__,
+        # anyio has no __version__ (this read null until session 25): ask the installation
+        **{name: _installed(name) for name in ("anyio", "trio", "async-batcher")},
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
+
+
+def _installed(distribution: str) -> str | None:
+    """The installed version of ``distribution``, or None where it is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return None
 
 
 def _each_model(

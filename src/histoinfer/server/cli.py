@@ -125,7 +125,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--request-timeout",
         type=_above_zero,
         default=None,
-        help="seconds a request may wait for its forward pass before 503 (default: no limit)",
+        help="seconds from a request's arrival (its decoding and queueing included) until its "
+        "forward pass must start, or 503 deadline-exceeded (default: no limit)",
     )
     add(
         "--body-timeout",
