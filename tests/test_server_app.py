@@ -1263,6 +1263,10 @@ async def test_openapi_documents_the_routes(tiny_model):
         body_schema = post["requestBody"]["content"]["application/json"]["schema"]
         assert "image_data" in body_schema["properties"]
         assert "application/problem+json" in post["responses"]["422"]["content"]
+        # Every status the routes answer (408 and 415 were missing: a user trial).
+        for route in ("/api/{mode}/{model}", "/api/{mode}/{model}/batch", "/invocations"):
+            answers = spec["paths"][route]["post"]["responses"]
+            assert {"400", "404", "408", "413", "415", "422", "500", "503"} <= set(answers)
         assert [p["name"] for p in post["parameters"]] == ["mode", "model"]
         for probe in ("/health/ready", "/ping"):  # what a load balancer must expect
             assert set(spec["paths"][probe]["get"]["responses"]) >= {"200", "503"}

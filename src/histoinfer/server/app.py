@@ -747,7 +747,9 @@ def _docs(*statuses: int) -> dict[int | str, dict[str, Any]]:
         for status, description in {
             400: "unsupported mode",
             404: "unknown model",
+            408: "none of the request body arrived for --body-timeout seconds",
             413: "request body over the size limit",
+            415: "a Content-Encoding other than identity (send the body uncompressed)",
             422: "invalid request (bad JSON, schema violation, undecodable image, wrong size)",
             500: "the forward pass failed",
             503: "overloaded, not ready, or shutting down (see Retry-After)",
@@ -950,7 +952,7 @@ def create_app(
         single_tile,
         tags=["inference"],
         response_class=Response,
-        responses={200: {"model": ModelResponse}, **_docs(400, 404, 413, 422, 500, 503)},
+        responses={200: {"model": ModelResponse}, **_docs(400, 404, 408, 413, 415, 422, 500, 503)},
         openapi_extra={
             **_body_docs(request_schema, _JSON),
             "parameters": [
@@ -969,7 +971,10 @@ def create_app(
         "/api/{mode}/{model}/batch",
         tags=["inference"],
         response_class=Response,
-        responses={200: {"model": list[ModelResponse]}, **_docs(400, 404, 413, 422, 500, 503)},
+        responses={
+            200: {"model": list[ModelResponse]},
+            **_docs(400, 404, 408, 413, 415, 422, 500, 503),
+        },
         openapi_extra=_body_docs(
             {"type": "array", "items": request_schema}, _JSON, BATCH_BODIES_JSON
         ),
@@ -1024,7 +1029,7 @@ def create_app(
         "/invocations",
         tags=["inference"],
         response_class=Response,
-        responses={200: {"model": ModelResponse}, **_docs(400, 404, 413, 422, 500, 503)},
+        responses={200: {"model": ModelResponse}, **_docs(400, 404, 408, 413, 415, 422, 500, 503)},
         openapi_extra=_body_docs(InvocationRequest.model_json_schema(), _JSON),
     )
     async def invocations(request: Request) -> Response:
