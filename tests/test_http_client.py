@@ -294,7 +294,8 @@ def test_retry_policy_honours_retry_after_capped():
 
     attempt = http_module._Attempt(client, "POST", str(request.url))
     assert 3.0 <= attempt.answered(answer(503, "3")) <= 4.0  # capped at 4 of 4.5
-    assert attempt.answered(answer(503, "60")) == 4.0  # capped
+    # Capped under Retry-After: spread below the cap, not all at it (they came back together).
+    assert 4.0 * 2 / 3 <= attempt.answered(answer(503, "60")) <= 4.0
     with pytest.raises(OverloadedError, match="queue full; retry later"):
         attempt.answered(answer(503, "1"))  # retries exhausted: the mapped error
     fresh = http_module._Attempt(client, "POST", str(request.url))

@@ -1226,9 +1226,14 @@ def test_refusals_of_different_kinds_are_throttled_apart(caplog) -> None:
     with caplog.at_level("WARNING", logger="histoinfer.server"):
         for refusal in refusals:
             log_answer(request, refusal, Response(), throttle)
+    # Another model's full queue (a name differing by a digit) is a kind of its own too.
+    other = OverloadedError("h0:predict: queue full (8 requests admitted); retry later")
+    with caplog.at_level("WARNING", logger="histoinfer.server"):
+        log_answer(request, other, Response(), throttle)
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 2, lines
-    assert "queue full" in lines[0] and "--max-bodies-mb" in lines[1]
+    assert len(lines) == 3, lines
+    assert "h1:predict: queue full" in lines[0] and "--max-bodies-mb" in lines[1]
+    assert "h0:predict: queue full" in lines[2]
 
 
 async def scrape(http: httpx.AsyncClient) -> dict[str, dict[tuple[str, ...], float]]:

@@ -235,7 +235,7 @@ def test_a_second_signal_lets_in_flight_requests_finish(tiny_checkpoint, server_
         assert "error" not in outcome, outcome.get("error")
         assert outcome["response"].status_code == 200, outcome["response"].text
         assert_stopped_as_documented(server, server_args, signal.SIGINT)
-        assert "SIGINT again: draining now" in server.output()
+        assert "SIGINT again: already draining; nothing more to do" in server.output()
 
 
 def test_cli_argument_errors(tiny_checkpoint, capsys):

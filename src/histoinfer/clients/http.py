@@ -582,7 +582,10 @@ class _Attempt:
             if retry_after is not None:
                 # Not before the server's time, and spread over half as much again: callers it
                 # refused at once came back at one instant, wave after wave (a user trial).
-                delay = min(cap, max(retry_after, delay) * random.uniform(1.0, 1.5))
+                # Spread within the cap too, or all of those capped would come back together.
+                base = max(retry_after, delay)
+                low = base if base <= cap else cap * 2 / 3  # a cap under Retry-After: the cap's
+                delay = random.uniform(low, min(cap, 1.5 * base))
         self.number += 1
         return delay
 

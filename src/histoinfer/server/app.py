@@ -317,9 +317,10 @@ class ServerState:
         requests they already sent here are still answered (the CLI's ``--drain-delay``)."""
         self.stopping = True
 
-    def begin_drain(self) -> None:
-        """Refuse new requests (503 ``closed``) and fail readiness; in-flight ones go on."""
-        if not self.draining:
+    def begin_drain(self, announce: bool = False) -> None:
+        """Refuse new requests (503 ``closed``) and fail readiness; in-flight ones go on.
+        ``announce``: say so in the log (a stop signal's drain; not a shutdown's last step)."""
+        if announce and not self.draining:
             log.info(
                 "draining: new requests are refused (503 closed); %d in flight go on",
                 len(self.in_flight),
@@ -747,7 +748,7 @@ def _docs(*statuses: int) -> dict[int | str, dict[str, Any]]:
         for status, description in {
             400: "unsupported mode",
             404: "unknown model",
-            408: "none of the request body arrived for --body-timeout seconds",
+            408: "no part of the request body arrived for --body-timeout seconds",
             413: "request body over the size limit",
             415: "a Content-Encoding other than identity (send the body uncompressed)",
             422: "invalid request (bad JSON, schema violation, undecodable image, wrong size)",

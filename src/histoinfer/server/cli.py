@@ -125,8 +125,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--request-timeout",
         type=_above_zero,
         default=None,
-        help="seconds from a request's arrival (its decoding and queueing included) until its "
-        "forward pass must start, or 503 deadline-exceeded (default: no limit)",
+        help="seconds from when a request's body has been read (parsing, decoding and queueing "
+        "included) until its forward pass must start, or 503 deadline-exceeded (default: no "
+        "limit)",
     )
     add(
         "--body-timeout",
@@ -370,7 +371,10 @@ def _run_uvicorn(app: Any, state: ServerState, args: argparse.Namespace) -> None
             # On the event loop (uvicorn's signal handler). Readiness fails at once; requests
             # are still served for --drain-delay, then new ones get 503 "closed" while those in
             # flight finish, and just before the graceful timeout the app answers the rest.
-            _log_signal(sig, state, args)
+            # uvicorn installs this with signal.signal: it runs between two bytecodes of the
+            # main thread, perhaps inside a write to the log. The line goes through the loop.
+            said = _signal_said(sig, state, args)
+            asyncio.get_running_loop().call_soon_threadsafe(log.info, said)
             if state.stopping:  # a second signal ends the delay, and goes no further: to
                 # uvicorn a second SIGINT is a force quit, which cuts off the requests in flight
                 # (a bare 500 or a dropped connection) instead of letting them finish
@@ -387,7 +391,7 @@ def _run_uvicorn(app: Any, state: ServerState, args: argparse.Namespace) -> None
 
         def drain(self, sig: int, frame: FrameType | None) -> None:
             self.draining = None
-            state.begin_drain()
+            state.begin_drain(announce=True)
             loop = asyncio.get_running_loop()
             loop.call_later(_before_the_deadline(args.graceful_timeout), state.expire_in_flight)
             super().handle_exit(sig, frame)
@@ -414,26 +418,23 @@ def _run_uvicorn(app: Any, state: ServerState, args: argparse.Namespace) -> None
     server.run()
 
 
-def _log_signal(sig: int, state: ServerState, args: argparse.Namespace) -> None:
+def _signal_said(sig: int, state: ServerState, args: argparse.Namespace) -> str:
     """The operator's record of a stop signal and what follows it (before session 25 nothing
-    was logged until the server had stopped, or, under hypercorn, at all)."""
+    was logged until the server had stopped, or, under hypercorn, at all): worked out as the
+    signal arrives, logged from the event loop."""
     name = signal.Signals(sig).name
+    if state.draining:
+        return f"{name} again: already draining; nothing more to do (SIGKILL stops at once)"
     if state.stopping:
-        log.info("%s again: draining now", name)
-    elif args.drain_delay > 0:
-        log.info(
-            "%s: readiness fails now; new requests are refused after %g s (--drain-delay), "
-            "and those in flight then have %g s (--graceful-timeout)",
-            name,
-            args.drain_delay,
-            args.graceful_timeout,
+        return f"{name} again: the drain delay ends; draining now"
+    if args.drain_delay > 0:
+        return (
+            f"{name}: readiness fails now; new requests are refused after {args.drain_delay:g} "
+            f"s (--drain-delay), and those in flight then have {args.graceful_timeout:g} s "
+            "(--graceful-timeout)"
         )
-    else:
-        log.info(
-            "%s: draining; requests in flight have %g s (--graceful-timeout)",
-            name,
-            args.graceful_timeout,
-        )
+    graceful = args.graceful_timeout
+    return f"{name}: draining; requests in flight have {graceful:g} s (--graceful-timeout)"
 
 
 def _before_the_deadline(graceful_timeout: float) -> float:
@@ -483,7 +484,7 @@ def _run_hypercorn(app: Any, state: ServerState, args: argparse.Namespace) -> No
         async def drain(hurry: anyio.Event) -> None:
             with anyio.move_on_after(args.drain_delay):
                 await hurry.wait()
-            state.begin_drain()
+            state.begin_drain(announce=True)
             stop.set()
             await anyio.sleep(_before_the_deadline(args.graceful_timeout))
             state.expire_in_flight()
@@ -492,7 +493,7 @@ def _run_hypercorn(app: Any, state: ServerState, args: argparse.Namespace) -> No
             hurry = anyio.Event()  # a second signal: drain now
             with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async for sig in signals:
-                    _log_signal(sig, state, args)
+                    log.info(_signal_said(sig, state, args))
                     if state.stopping:
                         hurry.set()
                     else:

@@ -203,7 +203,7 @@ def _kind(exc: InferenceError) -> str:
     return f"{exc.problem_slug}: {_FIGURES.sub('#', str(exc))}"
 
 
-_FIGURES = re.compile(r"\d+(\.\d+)?")
+_FIGURES = re.compile(r"\b\d+(\.\d+)?\b")  # not the digits of a name ("h1", "h0")
 
 
 def log_answer(
