@@ -160,7 +160,8 @@ def _in_forked_child() -> None:
             log.exception("mending %r after fork failed", client)
 
 
-os.register_at_fork(after_in_child=_in_forked_child)
+if hasattr(os, "register_at_fork"):  # no fork, nothing to mend (Windows)
+    os.register_at_fork(after_in_child=_in_forked_child)
 
 
 def running_loop_here() -> bool:

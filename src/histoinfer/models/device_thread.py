@@ -154,7 +154,8 @@ def _forget_after_fork() -> None:
     _THREADS.clear()
 
 
-os.register_at_fork(after_in_child=_forget_after_fork)
+if hasattr(os, "register_at_fork"):  # no fork, nothing to forget (Windows)
+    os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def device_thread(device: torch.device | str) -> DeviceThread:
