@@ -461,10 +461,10 @@ def _count_abandoned_pass(
         stats.record_batch(1, (), ran_s)
 
 
-def _forked_away(parent: int) -> str:
-    """Why a forked child cannot use its parent's client, and what to do instead."""
+def _forked_away(maker: int) -> str:
+    """Why a forked child cannot use a client made in process ``maker``, and what to do."""
     return (
-        f"this InProcessClient was made in process {parent}, and process {os.getpid()} is a "
+        f"this InProcessClient was made in process {maker}, and process {os.getpid()} is a "
         "fork of it: the threads that run its model did not survive the fork. Make a client in "
         "each process (for a ProcessPoolExecutor, in its initializer), or start processes "
         "with the 'spawn' method"
