@@ -234,6 +234,7 @@ def test_the_orchestrating_process_names_what_it_runs_without_importing_torch() 
     from histoinfer.models.h1 import REFERENCE_DTYPES
 
     assert tuple(PATHS) == names.PATH_NAMES
+    assert tuple(names.PATH_DESCRIPTIONS) == names.PATH_NAMES  # the report's legend: each one
     assert REFERENCE_DTYPES == names.REFERENCE_DTYPES
     # The top-level `histoinfer export` keeps a literal list too (for every command's start-up).
     [sub] = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
@@ -422,6 +423,9 @@ def test_run_bench_smoke_writes_json_markdown_and_plot(workdir: Path, tmp_path: 
     assert "## Scheduler overhead" in md
     assert "## Noise floor" in md
     assert "| tiny | dynamic-trio | predict | 1 |" in md
+    # Each path measured, said in a line (a reader of the report alone had only http's).
+    legend = next(line for line in md.splitlines() if line.startswith("Paths: "))
+    assert all(f"`{path}`: " in legend for path in {row["path"] for row in rows})
     assert "| tiny | dynamic-trio | predict | 8 |" in md
     assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert any("round 2/2" in line for line in lines)

@@ -9,7 +9,7 @@ machine's time before anything is measured. Tests keep these equal to ``paths.PA
 
 from __future__ import annotations
 
-__all__ = ["LONE_VARIANTS", "PATH_NAMES", "REFERENCE_DTYPES"]
+__all__ = ["LONE_VARIANTS", "PATH_DESCRIPTIONS", "PATH_NAMES", "REFERENCE_DTYPES"]
 
 #: every throughput path, in the order the report lists them (``paths.PATHS``)
 PATH_NAMES = (
@@ -26,6 +26,22 @@ PATH_NAMES = (
     "async-batcher",
     "asyncio-queue",
 )
+
+#: what each path runs, in a line (the report's legend; docs/benchmarks.md has the details)
+PATH_DESCRIPTIONS = {
+    "raw": "the forward pass alone, over pre-decoded, pre-stacked tiles: the limit",
+    "explicit": "InProcessClient(dynamic_batching=False).predict_batch over chunks of the bodies",
+    "explicit-parallel": "the same, each chunk's bodies decoded on batch_decode_threads threads",
+    "dynamic-asyncio": "concurrent predict_async calls, dynamically batched, on asyncio",
+    "dynamic-asyncio-twin": "dynamic-asyncio again in another process: the noise floor",
+    "dynamic-trio": "concurrent predict_async calls, dynamically batched, on trio",
+    "bs1-asyncio": "concurrent predict_async calls at batch size 1 (dynamic_batching=False)",
+    "bs1-trio": "the same on trio",
+    "sync-threads": "blocking predict from as many threads as in flight",
+    "http": "histoinfer serve on 127.0.0.1 and HttpClient.predict_async",
+    "async-batcher": "the async-batcher package around the same pipeline (the peer)",
+    "asyncio-queue": "a plain asyncio.Queue batcher as a user would write it, same pipeline",
+}
 
 #: what a lone request is compared with, in each round (``latency.LoneLatency.measure``)
 LONE_VARIANTS = (

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from .names import PATH_DESCRIPTIONS
 from .runner import verdict
 
 __all__ = ["markdown", "write_outputs"]
@@ -165,6 +167,17 @@ def _profile_section(profile: dict[str, Any]) -> list[str]:
     return out
 
 
+def _paths_legend(paths: Iterable[str]) -> str:
+    """What each path measured runs, in a line each (a reader of the report alone had only the
+    http path's, a user trial found)."""
+    described = [
+        f"`{path}`: {PATH_DESCRIPTIONS[path]}"
+        for path in dict.fromkeys(paths)
+        if path in PATH_DESCRIPTIONS
+    ]
+    return "Paths: " + "; ".join(described) + " (details: docs/benchmarks.md)."
+
+
 def _libraries(env: dict[str, Any]) -> str:
     """The async libraries and the peer, as installed (reports from before session 25 have
     none: anyio's read null)."""
@@ -218,6 +231,7 @@ def markdown(report: dict[str, Any]) -> str:
             for row in throughput["rows"]
         ]
         out += ["## Throughput and latency", "", *_table(headers, rows)]
+        out += [_paths_legend(row["path"] for row in throughput["rows"]), ""]
         out += [_COLUMNS_NOTE, ""]
         if any(_is_burst(row) for row in throughput["rows"]):
             out += [_BURST_NOTE, ""]
