@@ -376,6 +376,16 @@ def test_serve_refuses_an_unknown_registry_key_before_binding(
     assert_one_line_error(code, capsys.readouterr().err, "--model x=h2", "unknown model 'h2'")
 
 
+@pytest.mark.parametrize("level", ["warning", "error"])
+def test_serve_refuses_an_access_log_its_log_level_leaves_out(
+    tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str], level: str
+) -> None:
+    """Both were taken, and no access line was written, with no word of why (a user trial)."""
+    args = ["serve", "--model", "h1", "--checkpoint", str(tiny_checkpoint), "--access-log"]
+    code = main([*args, "--log-level", level, "--port", "1"])  # never bound
+    assert_one_line_error(code, capsys.readouterr().err, f"--log-level {level} leaves out")
+
+
 @pytest.mark.parametrize(("device", "said"), [("tpu", "not a torch device"), ("cpu:7", "no index")])
 def test_serve_refuses_an_unusable_device_before_binding(
     tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str], device: str, said: str

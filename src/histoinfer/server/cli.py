@@ -283,6 +283,12 @@ def model_sources(args: argparse.Namespace) -> dict[str, ClientSource]:
 def run(args: argparse.Namespace) -> int:
     if args.server == "uvicorn" and args.backend == "trio":
         raise CommandError("uvicorn runs on asyncio only; use --server hypercorn --backend trio")
+    if args.access_log and args.log_level in ("warning", "error"):
+        # Access lines are info lines: with both, none was written, and nothing said why.
+        raise CommandError(
+            f"--access-log writes info lines, which --log-level {args.log_level} leaves out: "
+            "use --log-level info (the default) or debug with it"
+        )
     if args.max_bodies_mb is not None and args.max_bodies_mb < args.max_body_mb:
         raise CommandError(
             f"--max-bodies-mb ({args.max_bodies_mb:g}) must be at least --max-body-mb "
