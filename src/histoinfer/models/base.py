@@ -35,7 +35,7 @@ from .checkpoint import (
     load_checkpoint,
     sniff_kind,
 )
-from .device_thread import device_thread
+from .device_thread import device_thread, one_cpu
 from .imaging import decode_tile
 from .scripted import bitwise_equal, script_program, scripted_equal
 
@@ -211,9 +211,7 @@ class ServerModel:
                 f"gene list file in the assets directory), or serve embed alone "
                 f"(modes = ('embed',))"
             )
-        self.device = torch.device(device)
-        if self.device.type == "cpu":  # "cpu:0" too: the one CPU (device_thread.device_key)
-            self.device = torch.device("cpu")
+        self.device = one_cpu(torch.device(device))
         mean = torch.tensor(assets.mean, dtype=torch.float32).view(1, 3, 1, 1)
         std = torch.tensor(assets.std, dtype=torch.float32).view(1, 3, 1, 1)
         # (x / 255 - mean) / std  ==  x * scale + shift: one fused pass over the batch.

@@ -26,6 +26,7 @@ from typing import BinaryIO, Literal
 import torch
 
 from ..errors import InferenceError
+from .device_thread import one_cpu
 
 __all__ = [
     "CheckpointError",
@@ -225,7 +226,7 @@ def resolve_device(device: str | torch.device | int, path: Path) -> torch.device
                 f"cannot load checkpoint {path} on {device!r}: the CPU is one device, with no "
                 "index; use device='cpu' (its passes use every core)"
             )
-        return torch.device("cpu")
+        return one_cpu(resolved)
     if resolved.type == "cuda":
         if not torch.cuda.is_available():
             raise CheckpointError(

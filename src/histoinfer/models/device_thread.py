@@ -29,7 +29,7 @@ import torch
 
 from ..errors import ThreadAbortedError
 
-__all__ = ["DeviceThread", "device_key", "device_thread", "helper_threads"]
+__all__ = ["DeviceThread", "device_key", "device_thread", "helper_threads", "one_cpu"]
 
 R = TypeVar("R")
 
@@ -171,13 +171,17 @@ def helper_threads(device: torch.device | str, count: int) -> list[DeviceThread]
     return [_registered(f"{key}/helper-{i}") for i in range(1, count + 1)]
 
 
+def one_cpu(device: torch.device) -> torch.device:
+    """``device``, with any CPU index dropped: torch runs ``cpu:0`` and ``cpu:7`` on the one
+    CPU, and here they must share its forward thread and be named alike."""
+    return torch.device("cpu") if device.type == "cpu" else device
+
+
 def device_key(device: torch.device | str) -> str:
     """``device`` named with its index: a bare ``cuda`` means the current CUDA device, and
     every CPU index the one CPU."""
-    resolved = torch.device(device)
-    if resolved.type == "cpu":  # one device, whatever index it was given ("cpu:0")
-        return "cpu"
-    if resolved.index is not None:
+    resolved = one_cpu(torch.device(device))
+    if resolved.type == "cpu" or resolved.index is not None:
         return str(resolved)
     cuda = resolved.type == "cuda" and torch.cuda.is_available()
     index = torch.cuda.current_device() if cuda else 0

@@ -759,6 +759,10 @@ def _docs(*statuses: int) -> dict[int | str, dict[str, Any]]:
     }
 
 
+#: every problem an inference route answers (the single-tile, /batch and /invocations routes)
+_INFERENCE_PROBLEMS = _docs(400, 404, 408, 413, 415, 422, 500, 503)
+
+
 class _NamedRoute(Route):
     """A plain Starlette route that, like FastAPI's, names itself in ``scope["route"]``: what
     ASGI middleware and tracing tools read for the route's template."""
@@ -953,7 +957,7 @@ def create_app(
         single_tile,
         tags=["inference"],
         response_class=Response,
-        responses={200: {"model": ModelResponse}, **_docs(400, 404, 408, 413, 415, 422, 500, 503)},
+        responses={200: {"model": ModelResponse}, **_INFERENCE_PROBLEMS},
         openapi_extra={
             **_body_docs(request_schema, _JSON),
             "parameters": [
@@ -974,7 +978,7 @@ def create_app(
         response_class=Response,
         responses={
             200: {"model": list[ModelResponse]},
-            **_docs(400, 404, 408, 413, 415, 422, 500, 503),
+            **_INFERENCE_PROBLEMS,
         },
         openapi_extra=_body_docs(
             {"type": "array", "items": request_schema}, _JSON, BATCH_BODIES_JSON
@@ -1030,7 +1034,7 @@ def create_app(
         "/invocations",
         tags=["inference"],
         response_class=Response,
-        responses={200: {"model": ModelResponse}, **_docs(400, 404, 408, 413, 415, 422, 500, 503)},
+        responses={200: {"model": ModelResponse}, **_INFERENCE_PROBLEMS},
         openapi_extra=_body_docs(InvocationRequest.model_json_schema(), _JSON),
     )
     async def invocations(request: Request) -> Response:
