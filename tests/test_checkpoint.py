@@ -140,6 +140,16 @@ def test_torch_save_file_is_the_wrong_kind(tmp_path: Path) -> None:
     )
 
 
+def test_a_torchscript_archive_is_named_as_such(tmp_path: Path) -> None:
+    # torch.save's layout with code beside it: it was called a torch.save() file.
+    path = tmp_path / "model.pt2"
+    torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), str(path))
+    message = raises_naming(
+        path, lambda: load_checkpoint(path), "is a TorchScript archive (torch.jit.save)"
+    )
+    assert "torch.save()" not in message
+
+
 def test_corrupt_program_inside_a_valid_zip(tiny_checkpoint: Path, tmp_path: Path) -> None:
     path = tmp_path / "model.pt2"
     with zipfile.ZipFile(tiny_checkpoint) as src, zipfile.ZipFile(path, "w") as dst:

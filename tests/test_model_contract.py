@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 from pathlib import Path
@@ -154,6 +155,20 @@ def test_gene_names_can_be_a_gene_list_file_in_the_assets_directory(copy_of_tiny
     assert model.assets.directory == copy_of_tiny  # for a subclass's own files
     (copy_of_tiny / "genes.txt").unlink()
     load_fails(copy_of_tiny / "model.pt2", "gene list", str(copy_of_tiny / "genes.txt"))
+
+
+def test_a_byte_order_mark_and_windows_line_ends_are_not_part_of_any_name(
+    copy_of_tiny: Path,
+) -> None:
+    """Excel's "CSV UTF-8" and Notepad start a file with a byte-order mark: it became part of
+    the first gene's name, and looking that gene up failed silently."""
+    genes = "\r\n".join(f"{g} " for g in REFERENCE_GENE_PANEL) + "\r\n"
+    (copy_of_tiny / "genes.txt").write_bytes(codecs.BOM_UTF8 + genes.encode())
+    edit_assets(copy_of_tiny, gene_names="genes.txt")
+    assets = copy_of_tiny / "model.json"
+    assets.write_bytes(codecs.BOM_UTF8 + assets.read_bytes())
+    model = build_server_model("h1", copy_of_tiny / "model.pt2")
+    assert model.metadata().gene_names == list(REFERENCE_GENE_PANEL)
 
 
 def test_assets_built_in_code_have_no_directory(tiny_model: ServerModel) -> None:

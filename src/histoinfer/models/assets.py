@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 from collections import Counter
 from pathlib import Path
 from typing import Literal
@@ -96,7 +97,9 @@ class ModelAssets(BaseModel):
             raise ValueError(f"gene list {names!r}: a file name needs an assets directory")
         path = Path(directory) / names
         try:
-            text = path.read_text(encoding="utf-8")
+            # utf-8-sig: a file saved by Excel or Notepad starts with a byte-order mark, which
+            # would otherwise become part of the first gene's name, silently.
+            text = path.read_text(encoding="utf-8-sig")
         except (OSError, UnicodeDecodeError) as exc:
             raise ValueError(f"gene list {str(path)!r} could not be read: {exc}") from None
         return [line.strip() for line in text.splitlines() if line.strip()]
@@ -121,7 +124,8 @@ def load_assets(assets_dir: str | Path) -> ModelAssets:
             "command line)"
         )
     try:
-        data = path.read_bytes()
+        # A byte-order mark (Windows editors write one) is not JSON, but says nothing wrong.
+        data = path.read_bytes().removeprefix(codecs.BOM_UTF8)
     except OSError as exc:
         raise CheckpointError(f"model assets {path} could not be read: {exc.strerror}") from None
     try:

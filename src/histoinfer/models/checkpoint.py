@@ -103,6 +103,13 @@ def _sniff(path: Path) -> tuple[CheckpointKind, list[zipfile.ZipInfo]]:
         return "aoti", members
     if any("/models/" in n and n.endswith(".json") for n in names):
         return "torch.export", members
+    if any(n.endswith("/constants.pkl") for n in names) and any("/code/" in n for n in names):
+        raise CheckpointError(  # torch.jit.save's layout: torch.save's, with code beside it
+            f"checkpoint {path} is a TorchScript archive (torch.jit.save), neither a "
+            "torch.export program nor an AOTInductor package: torch.export.export the model "
+            "(the nn.Module, not its scripted form) and torch.export.save the program "
+            "(docs/checkpoints.md, 'Exporting your own model for h1')"
+        )
     if any(n.endswith("/data.pkl") for n in names):  # torch.save's layout
         raise CheckpointError(
             f"checkpoint {path} is a torch.save() file (a state_dict or a pickled module), "
