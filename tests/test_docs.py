@@ -56,7 +56,7 @@ with InProcessClient.from_checkpoint("h1", out / "model.pt2") as client:
     answer = json.loads(client.predict_with_embedding(body))
     meta = json.loads(client.metadata())
 assert len(answer["output"]) == 5 and len(answer["embedding"]) == 1024, answer
-assert meta["gene_names"] == my_gene_names, meta
+assert (meta["name"], meta["gene_names"]) == ("my-model", my_gene_names), meta
 """
 
 

@@ -614,7 +614,13 @@ async def test_a_request_not_dispatched_by_its_deadline_fails_clearly() -> None:
             # Dispatched at once, then outlives its deadline while running: it still completes.
             spawn_submit(tg, sched.submit, 1, results, timeout=0.05)
             await wait_until(lambda: fn.calls == 1)
-            with pytest.raises(DeadlineExceededError, match="not dispatched"):
+            # Queued behind the batch out: the message says so (it said "0 other requests
+            # still queued" alone, behind a pass of 30 s).
+            with pytest.raises(
+                DeadlineExceededError,
+                match=r"not dispatched within its deadline: 0 other requests still queued, "
+                r"behind a batch out for \d+\.\d s",
+            ):
                 await sched.submit(2, timeout=0.05)
             spawn_submit(tg, sched.submit, 3, results, timeout=30)
             await wait_until(lambda: sched.stats.snapshot().queue_depth == 1)

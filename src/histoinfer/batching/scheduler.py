@@ -250,6 +250,7 @@ class BatchScheduler(Generic[T, R]):
         # Seconds the batch function has run, on its thread (one call at a time: the runner
         # awaits each); a batch's share is read after it, bisected halves included.
         self._last_pass_s = 0.0  # the latest batch function call's duration, on its thread
+        self._dispatched_at: float | None = None  # when the batch now out was dispatched
         # Guards DISPATCHED -> RUNNING (the batch function's thread) against DISPATCHED ->
         # ABANDONED (a caller leaving): an item is either run or left, never both.
         self._start_lock = threading.Lock()
@@ -385,7 +386,7 @@ class BatchScheduler(Generic[T, R]):
                     await pending.done.wait()
                 if pending.state == _QUEUED:
                     self._abandon(pending)
-                    raise self._deadline_exceeded(f"{self._queued} other requests still queued")
+                    raise self._deadline_exceeded(self._why_still_queued())
                 if self._leave_dispatched(pending, started_ok=False):
                     raise self._deadline_exceeded("its batch was still waiting for its thread")
                 await pending.done.wait()  # started in time: it runs to completion
@@ -402,6 +403,15 @@ class BatchScheduler(Generic[T, R]):
                 reservation.refused = pending.refused
             raise pending.error
         return pending.result  # type: ignore[return-value]
+
+    def _why_still_queued(self) -> str:
+        """What held a request queued to its deadline: others ahead of it, and the batch out
+        (a long pass, or one waiting for a device busy with other work), if one is."""
+        why = f"{self._queued} other requests still queued"
+        if self._dispatched_at is not None:
+            out_s = time.perf_counter() - self._dispatched_at
+            why += f", behind a batch out for {out_s:.1f} s (its pass, or a wait for its thread)"
+        return why
 
     def _leave_dispatched(self, pending: _Pending[T, R], started_ok: bool) -> bool:
         """Abandon ``pending`` if its batch is waiting for its thread (e.g. behind another job
@@ -594,7 +604,11 @@ class BatchScheduler(Generic[T, R]):
             p.state = _DISPATCHED
         self._queued -= len(live)
         self._count(self.stats.queue_changed, -len(live))
-        await self._execute(live, now)
+        self._dispatched_at = now
+        try:
+            await self._execute(live, now)
+        finally:
+            self._dispatched_at = None
 
     async def _execute(
         self, pendings: list[_Pending[T, R]], dispatched_at: float, *, bisected: bool = False
