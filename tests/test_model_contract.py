@@ -202,12 +202,46 @@ def test_a_postprocess_producing_nan_fails_its_own_request(tiny_model: ServerMod
     (NaN from the forward pass was already an error)."""
     model = _NanPostprocess(tiny_model.checkpoint, tiny_model.assets)
     with InProcessClient(model, dynamic_batching=False) as client:
-        with pytest.raises(ModelExecutionError, match=r"non-finite values.*patch_idx=3"):
+        # The step is named, not the model's pass (which was finite); in a batch call, the
+        # position too, as every other error of a batch call does.
+        blame = r"model 'h1': postprocess returned non-finite values \(NaN or infinity\) "
+        with pytest.raises(ModelExecutionError, match=blame + r"for patch_idx=3 "):
             client.predict(make_body(3))
         answer = json.loads(client.predict(make_body(2)))
         assert all(isinstance(v, float) for v in answer["output"])
-        with pytest.raises(ModelExecutionError, match=r"patch_idx=3"):
+        with pytest.raises(
+            ModelExecutionError, match=blame + r"at batch position 1 for patch_idx=3"
+        ):
             client.predict_batch([make_body(2), make_body(3)])
+
+
+class _Unchecked(H1ServerModel):
+    """A postprocess of its own that passes the pass's outputs on unchecked (the built-in one
+    refuses non-finite ones)."""
+
+    def postprocess(self, request: ModelRequest, output: SampleOutput, mode: Mode) -> ModelResponse:
+        assert output.predictions is not None
+        return ModelResponse(
+            output=output.predictions,
+            slide_name=request.slide_name,
+            x=request.x,
+            y=request.y,
+            patch_idx=request.patch_idx,
+            width=request.width,
+            height=request.height,
+        )
+
+
+def test_a_non_finite_pass_is_blamed_on_the_model_past_a_postprocess_of_its_own(
+    tiny_model: ServerModel,
+) -> None:
+    model = _Unchecked(tiny_model.checkpoint, tiny_model.assets)
+    request = ModelRequest.model_validate_json(make_body(3))
+    nan = SampleOutput(predictions=[math.nan, 1.0], embedding=None, finite=False)
+    with pytest.raises(ModelExecutionError, match=r"^model 'h1' produced non-finite values"):
+        model.response_json(request, nan, "predict")
+    answer = model.response_json(request, SampleOutput([0.5, 1.0], None), "predict")
+    assert json.loads(answer)["output"] == [0.5, 1.0]
 
 
 def test_a_postprocess_returning_a_dict_is_named(tiny_model: ServerModel) -> None:

@@ -232,9 +232,14 @@ def _parse(
 ) -> tuple[ModelRequest, str]:
     """JSON -> validated request that ``model`` can serve in ``mode``, and how errors name it."""
     request = parse_request(body, position)
-    where = f"{locate(position).lstrip()} for {request.where()}".strip()
+    where = _where(request, position)
     model.check_request(request, mode, where)
     return request, where
+
+
+def _where(request: ModelRequest, position: int | None) -> str:
+    """How errors name a request: ``at batch position 3 for patch_idx=…`` in a batch call."""
+    return f"{locate(position).lstrip()} for {request.where()}".strip()
 
 
 def _prepare(
@@ -735,8 +740,10 @@ class InProcessClient(ClosingContext):
 
     # -- the pipeline ------------------------------------------------------------------------
 
-    def _finish(self, request: ModelRequest, output: SampleOutput, mode: Mode) -> str:
-        return self.server_model.response_json(request, output, mode)
+    def _finish(
+        self, request: ModelRequest, output: SampleOutput, mode: Mode, position: int | None = None
+    ) -> str:
+        return self.server_model.response_json(request, output, mode, _where(request, position))
 
     async def infer_async(
         self, body: str | bytes, mode: Mode, *, overload: Overload | None = None
@@ -924,8 +931,8 @@ class InProcessClient(ClosingContext):
                 outputs = self._forward_chunk(chunk, mode, start)
                 try:
                     responses.extend(
-                        self._finish(request, output, mode)
-                        for (request, _), output in zip(chunk, outputs, strict=True)
+                        self._finish(request, output, mode, start + i)
+                        for i, ((request, _), output) in enumerate(zip(chunk, outputs, strict=True))
                     )
                 except ModelExecutionError as exc:  # postprocess: counted as a single call's
                     self._stats[mode].record_error(type(exc).__name__)

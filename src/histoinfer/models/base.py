@@ -351,23 +351,27 @@ class ServerModel:
             )
         return tile
 
-    def response_json(self, request: ModelRequest, output: SampleOutput, mode: Mode) -> str:
-        """``postprocess`` as the response's JSON, as the clients call it. What it raises other
-        than an :class:`InferenceError` fails its own request with a
-        :class:`ModelExecutionError`, the same on every path."""
+    def response_json(
+        self, request: ModelRequest, output: SampleOutput, mode: Mode, where: str | None = None
+    ) -> str:
+        """``postprocess`` as the response's JSON, as the clients call it, ``where`` naming the
+        request in errors (as ``prepared_tile``'s). What it raises other than an
+        :class:`InferenceError` fails its own request with a :class:`ModelExecutionError`,
+        the same on every path."""
+        where = where if where is not None else f"for {request.where()}"
         try:
             response = self.postprocess(request, output, mode)
             if not self._own_postprocess:
-                self._check_response(response, request)
+                self._check_response(response, output, where)
             return response.model_dump_json()
         except InferenceError:
             raise
         except Exception as exc:
             raise ModelExecutionError(
-                f"model {self.assets.name!r}: postprocess failed for {request.where()}: {exc!r}"
+                f"model {self.assets.name!r}: postprocess failed {where}: {exc!r}"
             ) from exc
 
-    def _check_response(self, response: object, request: ModelRequest) -> None:
+    def _check_response(self, response: object, output: SampleOutput, where: str) -> None:
         """What a subclass's ``postprocess`` returned: a ``ModelResponse`` whose values JSON can
         carry (a NaN it computed would be written as null, breaking the response schema)."""
         if not isinstance(response, ModelResponse):
@@ -376,7 +380,15 @@ class ServerModel:
             )
         values = [response.output, response.embedding or ()]
         if not all(math.isfinite(v) for vector in values for v in vector):
-            raise non_finite_error(self.assets.name, request.where())
+            # The pass's own NaN (a postprocess that does not check, as the built-in one
+            # does), or one the postprocess made from finite outputs: blame the step.
+            name = self.assets.name
+            blame = (
+                f"model {name!r} produced"
+                if not output.finite
+                else f"model {name!r}: postprocess returned"
+            )
+            raise ModelExecutionError(f"{blame} non-finite values (NaN or infinity) {where}")
 
     def forward_batch(self, batch: torch.Tensor, mode: Mode) -> BatchOutput:
         """Run a stacked batch ``[B, 3, T, T]`` through the model on its device: ``uint8``
