@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import logging
 import socket
 import sys
 import textwrap
@@ -207,6 +208,21 @@ def test_an_entry_point_to_a_class_its_module_registers_too(
     monkeypatch.syspath_prepend(str(tmp_path))
     declare(monkeypatch, {"my-key": f"{name}:Mine"})
     assert registry.model_class("my-key").__module__ == name
+
+
+def test_an_entry_point_for_a_key_registered_otherwise_is_said_to_be_unused(
+    user_module: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """It was ignored silently: a package declaring ``h1`` got the built-in model."""
+    declare(monkeypatch, {"h1": f"{user_module}:Mine"})
+    with caplog.at_level(logging.WARNING, logger="histoinfer.models.registry"):
+        assert registry.model_class("h1") is H1ServerModel
+        assert registry.model_class("h1") is H1ServerModel  # said once
+    [said] = [r.getMessage() for r in caplog.records]
+    assert said.startswith(f"model 'h1': the entry point '{user_module}:Mine' (histoinfer.models")
+    assert "is not used: 'h1' is histoinfer's own in this process" in said
+    assert "histoinfer.models.h1:H1ServerModel" in said and "another key" in said
+    assert user_module not in sys.modules  # not imported to find out
 
 
 @pytest.mark.parametrize(

@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 _REGISTRY: dict[str, type[ServerModel]] = {}
 # Held while an entry point is loaded: two threads asking for one key import it once.
 _ENTRY_POINT_LOCK = threading.RLock()
+#: Entry points found naming a key registered otherwise, each said once (``_shadowed``).
+_SHADOWED_SAID: set[tuple[str, str]] = set()
 M = TypeVar("M", bound=type[ServerModel])
 
 
@@ -142,6 +144,7 @@ def model_class(key: str) -> type[ServerModel]:
     _load_builtins()
     registered = _REGISTRY.get(key)
     if registered is not None:
+        _shadowed(key, registered)
         return registered
     with _ENTRY_POINT_LOCK:
         registered = _REGISTRY.get(key)  # loaded by another thread meanwhile
@@ -153,6 +156,25 @@ def model_class(key: str) -> type[ServerModel]:
     raise UnknownModelError(
         f"unknown model {key!r}; available models: {', '.join(available_models()) or 'none'}"
     )
+
+
+def _shadowed(key: str, registered: type[ServerModel]) -> None:
+    """Warn (once) of an installed package's entry point for ``key`` that is not used: the key
+    is histoinfer's own (``h1``) or was registered in code first. It was ignored silently."""
+    here = f"{registered.__module__}:{registered.__qualname__}"
+    for entry in _entry_points():
+        if entry.name != key or entry.value == here or (key, entry.value) in _SHADOWED_SAID:
+            continue
+        _SHADOWED_SAID.add((key, entry.value))
+        log.warning(
+            "model %r: the entry point %s is not used: %r is %s in this process (%s); "
+            "declare the entry point under another key",
+            key,
+            _describe(entry),
+            key,
+            "histoinfer's own" if registered.__module__.startswith("histoinfer.") else "registered",
+            here,
+        )
 
 
 def _entry_points() -> list[importlib.metadata.EntryPoint]:
