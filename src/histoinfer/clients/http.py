@@ -313,9 +313,10 @@ class HttpClient(ClosingContext):
         sync, pools = self._shut()
         here = _loop_key()
         for pool in pools:
-            pool.request_close()
             if pool.key == here:
-                await pool.aclose_clients()  # this loop's pool is closed when we return
+                await pool.close_here()  # closed, its keeper gone, when we return
+            else:
+                pool.request_close()
         _close_sync(sync)
 
     def __repr__(self) -> str:
@@ -356,8 +357,19 @@ class HttpClient(ClosingContext):
                 kind = type(session).__name__
                 raise TypeError(f"session must be an httpx.AsyncClient, got {kind}")
             pool = self._loop_pool()
-            response = await self._send_async(pool, session, "POST", url, content, _JSON_HEADERS)
-            return _object_text(response)
+            try:
+                with pool.call():
+                    response = await self._send_async(
+                        pool, session, "POST", url, content, _JSON_HEADERS
+                    )
+                return _object_text(response)
+            finally:
+                if self._calls.closed and not pool.calls:
+                    # A closed client's last call on this loop closes the loop's pool before
+                    # it returns (still counted in flight, so that aclose() waits for it):
+                    # returning first, it could let the loop end (asyncio.run) during the
+                    # close, whose cancellation then left connections open.
+                    await pool.close_here()
 
     def _infer_batch(self, bodies: list[str], mode: Mode) -> list[str]:
         with self._calls.call():
@@ -554,7 +566,8 @@ class _Attempt:
         if self.client._released:  # its pool closed under it (not since session 23: defensive)
             raise ClientClosedError(CLIENT_CLOSED) from exc
         if not isinstance(exc, _RETRY_ERRORS) or self.number >= self.client.retries:
-            tries = f" after {self.number + 1} attempts" if self.number else ""
+            # Counted even when 1: a timeout is not retried, and the message says so.
+            tries = f" after {self.number + 1} attempt{'s' if self.number else ''}"
             if isinstance(exc, httpx.TimeoutException):
                 why = f"no answer within {_describe(self.client.timeout)}"
             else:
@@ -948,6 +961,11 @@ class _Shards(Generic[_C]):
             return [client for client in self._clients if client is not None]
 
 
+#: The most seconds a closing call waits for its loop's pool to close (httpx closes sockets
+#: at once; this only bounds a close stuck on a broken transport).
+_CLOSE_WAIT = 5.0
+
+
 class _LoopPool:
     """The ``httpx.AsyncClient`` objects bound to one loop, and the keeper that closes them there.
 
@@ -982,6 +1000,17 @@ class _LoopPool:
         self._scope: anyio.CancelScope | None = None
         self._closing = False
         self._task: asyncio.Task[None] | None = None  # asyncio holds tasks weakly
+        self._closed = anyio.Event()  # made on its loop, as it is waited on there
+        #: async calls in flight through this pool (touched on its loop only)
+        self.calls = 0
+
+    @contextlib.contextmanager
+    def call(self) -> Iterator[None]:
+        self.calls += 1
+        try:
+            yield
+        finally:
+            self.calls -= 1
 
     @contextlib.contextmanager
     def lease(self, session: httpx.AsyncClient | None) -> Iterator[httpx.AsyncClient]:
@@ -995,6 +1024,13 @@ class _LoopPool:
     async def aclose_clients(self) -> None:
         for client in self._shards.close():
             await client.aclose()
+
+    async def close_here(self) -> None:
+        """Close this pool, on its own loop (the running one), and wait until its keeper has
+        closed it and ended; shielded (a cancelled caller must not cut the close short)."""
+        self.request_close()
+        with anyio.CancelScope(shield=True), anyio.move_on_after(_CLOSE_WAIT):
+            await self._closed.wait()
 
     def start_keeper(self) -> None:
         if sniffio.current_async_library() == "trio":
@@ -1023,6 +1059,7 @@ class _LoopPool:
             with self._registry_lock:
                 if self._registry.get(self.key) is self:
                     del self._registry[self.key]
+            self._closed.set()  # last: the keeper ends in this step
 
     def request_close(self) -> None:
         """Cancel the keeper from any thread; it closes the pool on its loop."""
