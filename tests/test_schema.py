@@ -88,11 +88,14 @@ BAD_BODIES: list[tuple[str, Any, list[str]]] = [
     ("zero resolution", body(resolution=0), ["'resolution'"]),
     ("string for int", body(x="12"), ["'x'", "integer"]),
     ("float for int", body(y=1.5), ["'y'", "integer"]),
-    ("bool for int", body(width=True), ["'width'"]),
+    # JSON's words for what the body held, not Python's ("got True", "got None").
+    ("bool for int", body(width=True), ["'width'", "(got true)"]),
     ("int for string", body(slide_name=7), ["'slide_name'", "string"]),
-    ("null image", body(image_data=None), ["'image_data'"]),
+    ("null image", body(image_data=None), ["'image_data'", "(got null)"]),
     ("NaN in bulk_rna", body(bulk_rna=[1.0, float("nan")]), ["'bulk_rna.1'"]),
     ("string in bulk_rna", body(bulk_rna=["a"]), ["'bulk_rna.0'"]),
+    ("byte-order mark", "\ufeff" + make_body(0), ["not valid JSON", "byte-order mark"]),
+    ("byte-order mark, bytes", b"\xef\xbb\xbf" + make_body(0).encode(), ["byte-order mark"]),
 ]
 
 

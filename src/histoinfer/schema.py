@@ -286,7 +286,10 @@ def _describe(err: Any) -> str:
     if kind == "missing":
         return f"missing required field {loc}"
     got = err.get("input")
-    shown = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
+    if got is None or isinstance(got, bool):  # as the JSON said it: true, not Python's True
+        shown = json.dumps(got)
+    else:
+        shown = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
     if len(shown) > _QUOTED:
         shown = shown[: _QUOTED - 3] + "..."
     return f"field {loc}: {err['msg']} (got {shown})"
@@ -318,6 +321,10 @@ def _patch_idx_hint(raw: object) -> str:
 
 
 def _invalid(model: type[BaseModel], body: str | bytes, exc: ValidationError, what: str) -> str:
+    if body.startswith("\ufeff" if isinstance(body, str) else b"\xef\xbb\xbf"):  # type: ignore[arg-type]
+        # Windows editors and .NET's UTF-8 encoder write one; pydantic says only "expected
+        # value at line 1 column 1".
+        return f"{what}: body is not valid JSON (it starts with a byte-order mark: send it without)"
     raw = _parsed(body)
     return f"{what}{_patch_idx_hint(raw)}: {_describe_errors(model, exc, raw)}"
 
