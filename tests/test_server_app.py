@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from histoinfer import InProcessClient
+from histoinfer.batching.admission import deadline_exceeded
 from histoinfer.errors import InvalidRequestError, OverloadedError
 from histoinfer.models.h1 import H1ServerModel
 from histoinfer.schema import Mode, ModelRequest, ModelResponse
@@ -1228,12 +1229,25 @@ def test_refusals_of_different_kinds_are_throttled_apart(caplog) -> None:
             log_answer(request, refusal, Response(), throttle)
     # Another model's full queue (a name differing by a digit) is a kind of its own too.
     other = OverloadedError("h0:predict: queue full (8 requests admitted); retry later")
+    # A model's deadline is one kind, whatever held each request (a burst's were logged as
+    # four kinds in 0.4 s: a trial).
+    missed = [
+        deadline_exceeded("h1:predict", why)
+        for why in (
+            "it expired before the request was queued",
+            "it was still waiting to be decoded",
+            "3 other requests still queued, behind a batch out for 0.4 s",
+            "its batch was still waiting for its thread",
+        )
+    ]
     with caplog.at_level("WARNING", logger="histoinfer.server"):
-        log_answer(request, other, Response(), throttle)
+        for refusal in [other, *missed]:
+            log_answer(request, refusal, Response(), throttle)
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 3, lines
+    assert len(lines) == 4, lines
     assert "h1:predict: queue full" in lines[0] and "--max-bodies-mb" in lines[1]
     assert "h0:predict: queue full" in lines[2]
+    assert "h1:predict: request not dispatched within its deadline" in lines[3]
 
 
 async def scrape(http: httpx.AsyncClient) -> dict[str, dict[tuple[str, ...], float]]:
