@@ -209,11 +209,17 @@ async def test_connection_errors_are_retried_then_reported():
             await client.predict_async(make_body(0), session=session)
         assert counter.n == 4
         assert isinstance(err.value.__cause__, httpx.ConnectError)
+    url = f"http://127.0.0.1:{port}/api/metadata/h1"
     with (
         HttpClient(f"http://127.0.0.1:{port}", retries=2, backoff=0.01) as client,
-        pytest.raises(InferenceError, match="after 3 attempts"),
+        pytest.raises(InferenceError, match="after 3 attempts") as sync_err,
     ):
         client.metadata()
+    # Worded alike, sync or async, on asyncio or trio (each library words a refusal its own
+    # way: "[Errno 111] Connection refused", "All connection attempts failed", ...).
+    refused = "cannot reach the server (ConnectError: Connection refused)"
+    assert str(sync_err.value) == f"GET {url} failed after 3 attempts: {refused}"
+    assert str(err.value).endswith(f"failed after 4 attempts: {refused}")
 
 
 @pytest.mark.anyio

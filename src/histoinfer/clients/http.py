@@ -30,6 +30,7 @@ import email.utils
 import json
 import logging
 import math
+import os
 import random
 import threading
 import time
@@ -573,7 +574,8 @@ class _Attempt:
             else:
                 why = "cannot reach the server"
             raise InferenceError(
-                f"{self.method} {self.url} failed{tries}: {why} ({type(exc).__name__}: {exc})"
+                f"{self.method} {self.url} failed{tries}: {why} "
+                f"({type(exc).__name__}: {_os_reason(exc) or exc})"
             ) from exc
         return self._next(None)
 
@@ -601,6 +603,25 @@ class _Attempt:
                 delay = random.uniform(low, min(cap, 1.5 * base))
         self.number += 1
         return delay
+
+
+def _os_reason(exc: BaseException) -> str | None:
+    """The system's words for the socket error under ``exc`` ("Connection refused"), if any:
+    sync, asyncio and trio calls word the same refusal three ways ("[Errno 111] Connection
+    refused", "All connection attempts failed", "all attempts to connect to … failed")."""
+    seen: set[int] = set()
+    pending: list[BaseException] = [exc]
+    while pending:
+        error = pending.pop(0)
+        if id(error) in seen:
+            continue
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno is not None:
+            return os.strerror(error.errno)
+        if isinstance(error, BaseExceptionGroup):
+            pending.extend(error.exceptions)
+        pending.extend(e for e in (error.__cause__, error.__context__) if e is not None)
+    return None
 
 
 def _retry_after(value: str | None) -> float | None:
