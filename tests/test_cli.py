@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import json
 import shutil
 import subprocess
@@ -406,9 +407,13 @@ def test_a_missing_extra_is_named_even_with_options(
     for argv in ([command, "--model", "h1", "--port", "8085"], [command, "--help"], [command]):
         extra = "server" if command == "serve" else "bench"
         code, _, err = run(argv, capsys)
-        # From a clone: the package is not installed from an index.
+        # Installed from a wheel or from a clone: both ways are said (a wheel's user was told
+        # only the clone's).
         assert_one_line_error(
-            code, err, f"the '{extra}' extra", f"pip install -e '.[{extra}]' from a clone"
+            code,
+            err,
+            f"the '{extra}' extra: pip install 'histoinfer[{extra}]' "
+            f"(in a clone: pip install -e '.[{extra}]')",
         )
     # The word as an option's value is not the subcommand: the command runs (and here fails
     # for its own reason).
@@ -423,7 +428,25 @@ def test_a_package_missing_at_run_time_is_one_line(
     args = ["serve", "--model", "h1", "--checkpoint", str(tiny_checkpoint), "--port", "0"]
     code = main([*args, "--server", "hypercorn", "--no-warmup"])
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert code == 1 and "pip install -e '.[server]'" in err and "hypercorn" in err
+    assert code == 1 and "pip install 'histoinfer[server]'" in err and "hypercorn" in err
+
+
+def test_the_server_package_names_its_extra_when_fastapi_is_missing(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``from histoinfer.server import create_app`` (docs/server.md) on a plain install said
+    only "No module named 'fastapi'"; and ``serve`` says the extra once, not twice."""
+    for name in [m for m in sys.modules if m.startswith("histoinfer.server")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "fastapi", None)
+    with pytest.raises(ImportError) as info:
+        importlib.import_module("histoinfer.server")
+    assert str(info.value).startswith(
+        "histoinfer.server needs the 'server' extra: pip install 'histoinfer[server]'"
+    )
+    code, _, err = run(["serve", "--model", "h1", "--port", "8085"], capsys)
+    assert_one_line_error(code, err, "No module named 'fastapi'")
+    assert err.count("extra") == 1, err
 
 
 def test_serve_names_each_client_after_its_route(tiny_checkpoint: Path) -> None:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .errors import InferenceError
+from .extras import install_hint
 
 __all__ = ["main"]
 
@@ -340,10 +341,9 @@ def _configure_plugin(parser: argparse.ArgumentParser, argv: Sequence[str]) -> s
 
 def _missing(command: str, exc: ImportError) -> str:
     extra = _EXTRAS.get(command, "dev")
-    return (
-        f"'histoinfer {command}' needs the '{extra}' extra: pip install -e '.[{extra}]' "
-        f"from a clone of histoinfer ({exc})"
-    )
+    # The module's name alone: histoinfer.server's own ImportError names the extra too.
+    missing = f"No module named {exc.name!r}" if exc.name else str(exc)
+    return f"'histoinfer {command}' needs the '{extra}' extra: {install_hint(extra)} ({missing})"
 
 
 def _version() -> str:

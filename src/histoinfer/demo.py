@@ -24,6 +24,7 @@ import numpy as np
 from PIL import Image
 
 from .clients.inprocess import InProcessClient
+from .extras import install_hint
 from .models.h1 import CHECKPOINT_FILE, export_reference_h1, reference_assets
 
 __all__ = ["cache_dir", "demo_image", "run_demo", "tile_requests"]
@@ -59,7 +60,7 @@ def demo_image() -> tuple[np.ndarray, str]:
         print(
             f"note: scikit-image's immunohistochemistry image is unavailable ({exc}); "
             "using a generated image instead (the 'demo' extra has the real one: "
-            "pip install -e '.[demo]')",
+            f"{install_hint('demo')})",
             file=sys.stderr,
         )
     rng = np.random.default_rng(0)

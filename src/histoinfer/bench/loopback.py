@@ -20,6 +20,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from ..extras import install_hint
+
 __all__ = ["ServerProcess", "free_port", "http_unavailable", "parse_metrics", "wait_ready"]
 
 
@@ -38,7 +40,7 @@ def http_unavailable() -> str | None:
     try:
         importlib.import_module("httpx")
     except ImportError:
-        return "httpx is not installed (the 'bench' extra: pip install -e '.[bench]')"
+        return f"httpx is not installed (the 'bench' extra: {install_hint('bench')})"
     return None
 
 

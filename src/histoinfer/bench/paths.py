@@ -22,6 +22,7 @@ import anyio.from_thread
 import torch
 
 from ..clients.inprocess import InProcessClient
+from ..extras import install_hint
 from ..models import shards
 from ..models.base import ServerModel, stack_tiles
 from ..models.device_thread import device_thread
@@ -323,7 +324,7 @@ class AsyncBatcherPath(_PeerPath):
         try:
             import async_batcher  # noqa: F401
         except ImportError:
-            return "async-batcher is not installed (the 'bench' extra: pip install -e '.[bench]')"
+            return f"async-batcher is not installed (the 'bench' extra: {install_hint('bench')})"
         return None
 
     def make_peer(self, pipeline: Pipeline) -> AsyncBatcherPeer:

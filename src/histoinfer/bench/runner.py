@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from ..extras import install_hint
 from ..schema import MODES, Mode
 from .bodies import make_bodies
 from .isolation import Isolated, Local
@@ -698,7 +699,7 @@ def run_overhead(cfg: BenchConfig, log: Log) -> dict[str, Any]:
         import async_batcher  # noqa: F401
     except ImportError:
         variants = [v for v in variants if not v.startswith("async-batcher")]
-        why = "async-batcher is not installed (the 'bench' extra: pip install -e '.[bench]')"
+        why = f"async-batcher is not installed (the 'bench' extra: {install_hint('bench')})"
         why += ": no targets"
         skipped.append({"variant": "async-batcher", "reason": why})
         log(f"[overhead] skipping async-batcher: {why}")

@@ -1,6 +1,15 @@
-"""The histoinfer microservice: FastAPI over the in-process client (the ``server`` extra:
-``pip install -e '.[server]'`` in a clone). Run it with ``histoinfer serve``, or embed
-:func:`create_app`."""
+"""The histoinfer microservice: FastAPI over the in-process client (the ``server`` extra).
+Run it with ``histoinfer serve``, or embed :func:`create_app`."""
+
+from ..extras import install_hint
+
+try:
+    import fastapi  # noqa: F401 - only to say which extra is missing
+except ImportError as exc:  # a plain install: say what to install, not just "no fastapi"
+    raise ImportError(
+        f"histoinfer.server needs the 'server' extra: {install_hint('server')} ({exc})",
+        name=exc.name,
+    ) from exc
 
 from .app import ServerState, create_app
 
