@@ -38,7 +38,7 @@ _WIDE_MODES = ("I", "F")
 
 
 def tile_body(
-    tile: Any,
+    tile: Image.Image | np.ndarray[Any, Any],
     *,
     slide_name: str,
     x: int,

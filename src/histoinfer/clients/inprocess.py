@@ -44,7 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypedDict, TypeVar
 
 import anyio
 import anyio.from_thread
@@ -81,6 +81,9 @@ from .cores import CoreShare
 from .lifecycle import ClosingContext, InFlight, mend_after_fork, running_loop_here
 from .portal import PortalThread
 from .refusals import BatchRefusal
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's own from Python 3.12
 
 __all__ = ["InProcessClient"]
 
@@ -627,7 +630,7 @@ class InProcessClient(ClosingContext):
         max_batch_size: int = 64,
         max_wait_ms: float = 5.0,
         dynamic_batching: bool = True,
-        **tuning: Any,
+        **tuning: Unpack[ClientTuning],
     ) -> InProcessClient:
         """Load ``checkpoint_path`` as registry key ``model`` and wrap it in a client.
 
@@ -1139,6 +1142,19 @@ _EXPIRED_ON_ARRIVAL = "it expired before the request was queued"
 
 #: what a call does when its loop's queue is full: wait for room, or be refused at once
 Overload = Literal["wait", "reject"]
+
+
+class ClientTuning(TypedDict, total=False):
+    """:meth:`InProcessClient.from_checkpoint`'s ``**tuning``: the constructor's other settings,
+    typed, so that a type checker catches a misspelt one (``max_queu=10``) as the call does."""
+
+    max_queue: int | None
+    prepare_threads: int | None
+    request_timeout: float | None
+    overload: Overload
+    batch_decode_threads: int
+    name: str | None
+    device_lock: AbstractContextManager[Any] | None
 
 
 def _waits(overload: Overload) -> bool:
