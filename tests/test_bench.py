@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -578,6 +579,26 @@ def test_isolated_children_report_refusals_and_failures_to_start() -> None:
         RuntimeError, match="failed to start: ValueError: the model file is corrupt"
     ):
         broken.wait_ready()
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_is_left_to_the_parent_which_closes_its_children(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """Ctrl-C reaches the whole process group: a child interrupted too printed its own
+    KeyboardInterrupt traceback beside "histoinfer: interrupted" (a user trial). The parent
+    decides; the child answers and closes when told."""
+    handle = Isolated(sleeper)
+    handle.wait_ready()
+    assert handle.pid is not None
+    os.kill(handle.pid, signal.SIGINT)  # while it waits for a call, and while it runs one
+    handle.call("nap", 0.0)
+    handle._conn.send(("call", "nap", (0.5,)))
+    time.sleep(0.2)
+    os.kill(handle.pid, signal.SIGINT)
+    handle.close()  # asks; the child answers the nap, then closes
+    assert handle._process.exitcode == 0
+    assert "KeyboardInterrupt" not in capfd.readouterr().err
 
 
 @pytest.mark.timeout(120)

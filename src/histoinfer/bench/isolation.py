@@ -25,6 +25,7 @@ import importlib
 import logging
 import multiprocessing
 import os
+import signal
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
@@ -133,6 +134,9 @@ class Isolated:
 
 def _serve(conn: Connection, factory: Factory, args: tuple[Any, ...]) -> None:
     """The child: build the object, then answer calls until told to close."""
+    # Ctrl-C reaches the whole process group: the parent stops the run and closes this child
+    # (or goes away: EOF below). Interrupted too, the child printed its own traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # The report says the checkpoints are untrained; each child need not say it again.
     logging.getLogger("histoinfer.untrained").disabled = True
     try:
@@ -162,9 +166,13 @@ def _serve(conn: Connection, factory: Factory, args: tuple[Any, ...]) -> None:
             try:
                 result = getattr(obj, method)(*call_args)
             except Exception as exc:
-                conn.send(("error", f"{type(exc).__name__}: {exc}"))
+                answer: tuple[str, Any] = ("error", f"{type(exc).__name__}: {exc}")
             else:
-                conn.send(("ok", result))
+                answer = ("ok", result)
+            try:
+                conn.send(answer)
+            except OSError:  # the parent went away while this ran (interrupted)
+                return
     finally:
         obj.close()
 
