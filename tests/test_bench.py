@@ -601,6 +601,35 @@ def test_ctrl_c_is_left_to_the_parent_which_closes_its_children(
     assert "KeyboardInterrupt" not in capfd.readouterr().err
 
 
+class _Interrupted(Exception):
+    """What Ctrl-C raises in the parent, standing in for KeyboardInterrupt (which pytest
+    takes as the user stopping the whole run)."""
+
+
+@pytest.mark.timeout(120)
+def test_a_child_whose_call_was_interrupted_is_stopped_at_once() -> None:
+    """Closed as the interrupt unwinds, a child still busy with the interrupted call was given
+    30 s to answer it: Ctrl-C took that long to end the bench."""
+    handle = Isolated(sleeper)
+    handle.wait_ready()
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise _Interrupted
+
+    before = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(_Interrupted):
+            handle.call("nap", 60)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+    started = time.monotonic()
+    handle.close()
+    assert time.monotonic() - started < 10
+    assert not handle._process.is_alive()
+
+
 @pytest.mark.timeout(120)
 def test_an_isolated_child_that_does_not_answer_in_time_is_killed() -> None:
     handle = Isolated(sleeper)

@@ -107,3 +107,18 @@ def test_a_checkpoint_path_points_to_from_checkpoint(path: Any) -> None:
 def test_another_object_is_named() -> None:
     with pytest.raises(TypeError, match=r"takes a loaded ServerModel, got dict$"):
         InProcessClient({})  # type: ignore[arg-type]
+
+
+def test_from_checkpoints_typed_tuning_is_the_constructors_other_settings() -> None:
+    """``**tuning`` is typed by ``ClientTuning`` (a type checker then catches ``max_queu=``):
+    it must name every keyword the constructor takes beyond from_checkpoint's own, with the
+    same types, or a checker would refuse a valid call."""
+    from typing import get_type_hints
+
+    from histoinfer.clients.inprocess import ClientTuning
+
+    init = get_type_hints(InProcessClient.__init__)
+    own = set(get_type_hints(InProcessClient.from_checkpoint)) - {"tuning", "return"}
+    others = {name: hint for name, hint in init.items() if name not in own | {"return"}}
+    del others["server_model"]
+    assert get_type_hints(ClientTuning) == others

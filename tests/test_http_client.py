@@ -12,6 +12,7 @@ import gc
 import json
 import logging
 import re
+import socket
 import ssl
 import subprocess
 import sys
@@ -220,6 +221,34 @@ async def test_connection_errors_are_retried_then_reported():
     refused = "cannot reach the server (ConnectError: Connection refused)"
     assert str(sync_err.value) == f"GET {url} failed after 3 attempts: {refused}"
     assert str(err.value).endswith(f"failed after 4 attempts: {refused}")
+
+
+def _raised(error: BaseException, *under: BaseException) -> httpx.ConnectError:
+    """httpx's ConnectError raised from ``error``, itself raised from each of ``under``."""
+    if under:  # one reason, or several (trio's group of one per address)
+        error.__cause__ = under[0] if len(under) == 1 else ExceptionGroup("failed", list(under))
+    outer = httpx.ConnectError(str(error))
+    outer.__cause__ = error
+    return outer
+
+
+def test_only_a_connection_errors_own_words_replace_the_libraries():
+    refused = ConnectionRefusedError(111, "Connect call failed ('127.0.0.1', 9)")
+    assert http_module._os_reason(_raised(OSError("All attempts failed"), refused)) == (
+        "Connection refused"
+    )
+    # A name that does not resolve, a refused certificate, or two addresses failing in two
+    # ways keep their own words (a resolver's -2 read "Unknown error -2").
+    unresolved = socket.gaierror(-2, "Name or service not known")
+    certificate = ssl.SSLCertVerificationError(1, "certificate verify failed")
+    unreachable = OSError(101, "Network is unreachable")
+    for error in (
+        _raised(unresolved),
+        _raised(certificate),
+        _raised(OSError("all failed"), refused, ConnectionResetError(104, "reset")),
+        _raised(OSError("all failed"), unreachable),
+    ):
+        assert http_module._os_reason(error) is None
 
 
 @pytest.mark.anyio
@@ -626,14 +655,11 @@ async def test_aclose_can_be_cancelled_while_it_waits(counting_server):
 
 
 def connections_to(port: int) -> int:
-    """Established TCP connections from this machine to ``port`` (Linux's socket table): the
-    clients' ends, not the server's, whose local port it is."""
-    count = 0
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        fields = line.split()
-        if int(fields[2].split(":")[1], 16) == port and fields[3] == "01":
-            count += 1
-    return count
+    """Established TCP connections to 127.0.0.1:``port`` (Linux's socket table): the clients'
+    ends, not the server's, whose local port it is."""
+    to = f"0100007F:{port:04X}"  # 127.0.0.1, as the table writes it
+    lines = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    return sum(1 for line in lines if line.split()[2:4] == [to, "01"])
 
 
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux's socket table")
@@ -676,6 +702,27 @@ def test_a_client_closed_with_calls_in_flight_leaves_no_connection_when_its_loop
         anyio.run(main, backend=backend)
         assert results == ['{"ok": true}'] * 8
         assert connections_to(server.port) == 0
+
+
+def test_an_aclose_cut_short_by_asyncio_still_closes_every_other_pool(counting_server):
+    """asyncio's own cancellation (``asyncio.timeout`` around ``aclose()``) passes anyio's
+    shield: cut short while this loop's pool closed, aclose() left the sync pool (and other
+    loops') open for good, the client already marked released."""
+    server, _ = counting_server
+    client = HttpClient(server.base_url, retries=0)
+    client.predict(make_body(0))
+    assert client._sync is not None
+    sync_clients = [c for c in client._sync._clients if c is not None]
+
+    async def main() -> None:
+        await client.predict_async(make_body(0))
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(0):
+                await client.aclose()
+
+    asyncio.run(main())
+    assert sync_clients and all(c.is_closed for c in sync_clients)
+    assert client._released and not client._pools
 
 
 async def run_concurrently(call: Any, n: int) -> None:

@@ -35,6 +35,8 @@ def private_registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Each test registers into a copy of the registry, and what it imports is forgotten."""
     registry.available_models()  # the built-ins in, before the copy
     monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.setattr(registry, "_SHADOWS_CHECKED", set())
+    monkeypatch.setattr(registry, "_FROM_ENTRY_POINTS", set())
     monkeypatch.setattr(sys, "path", list(sys.path))  # --import may add the current directory
     before = set(sys.modules)
     yield
@@ -223,6 +225,25 @@ def test_an_entry_point_for_a_key_registered_otherwise_is_said_to_be_unused(
     assert "is not used: 'h1' is histoinfer's own in this process" in said
     assert "histoinfer.models.h1:H1ServerModel" in said and "another key" in said
     assert user_module not in sys.modules  # not imported to find out
+
+
+def test_an_entry_point_in_use_is_not_said_to_be_unused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An entry point naming its class where a package re-exports it (``pkg:Mine``, defined
+    in ``pkg.impl``) is the one in use: looked up again (``serve`` looks twice), it was
+    said to be unused."""
+    package = tmp_path / "reexporting"
+    package.mkdir()
+    (package / "impl.py").write_text(textwrap.dedent(USER_MODULE))
+    (package / "__init__.py").write_text("from .impl import Mine\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    declare(monkeypatch, {"ep-model": "reexporting:Mine"})
+    with caplog.at_level(logging.WARNING, logger="histoinfer.models.registry"):
+        first = registry.model_class("ep-model")
+        assert registry.model_class("ep-model") is first
+    assert first.__module__ == "reexporting.impl"
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
 
 
 @pytest.mark.parametrize(

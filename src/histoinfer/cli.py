@@ -342,7 +342,11 @@ def _configure_plugin(parser: argparse.ArgumentParser, argv: Sequence[str]) -> s
 def _missing(command: str, exc: ImportError) -> str:
     extra = _EXTRAS.get(command, "dev")
     # The module's name alone: histoinfer.server's own ImportError names the extra too.
-    missing = f"No module named {exc.name!r}" if exc.name else str(exc)
+    missing = (
+        f"No module named {exc.name!r}"
+        if isinstance(exc, ModuleNotFoundError) and exc.name
+        else str(exc)
+    )
     return f"'histoinfer {command}' needs the '{extra}' extra: {install_hint(extra)} ({missing})"
 
 

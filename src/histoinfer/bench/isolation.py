@@ -74,6 +74,7 @@ class Isolated:
         self._process.start()
         child_conn.close()
         self._closed = False
+        self._busy = False  # a call sent, its answer not read (an interrupted call's)
         self.info: dict[str, Any] = {}
         self.unavailable: str | None = None
 
@@ -100,7 +101,9 @@ class Isolated:
         """``obj.method(*args)`` in the child; its exception comes back as a RuntimeError, and
         a child that does not answer within ``timeout`` seconds is killed (TimeoutError)."""
         self._conn.send(("call", method, args))
+        self._busy = True
         kind, payload = self._receive(timeout, method)
+        self._busy = False
         if kind != "ok":
             raise RuntimeError(f"{method} failed in the bench child process: {payload}")
         return payload
@@ -110,7 +113,7 @@ class Isolated:
         if self._closed:
             return
         self._closed = True
-        if not kill:
+        if not kill and not self._busy:  # busy: its call was interrupted (Ctrl-C): no waiting
             with contextlib.suppress(OSError, ValueError):  # the child may be gone already
                 self._conn.send(("close",))
             self._process.join(30)
@@ -132,11 +135,16 @@ class Isolated:
         return message
 
 
+def _leave_it_to_the_parent(signum: int, frame: object) -> None:
+    """SIGINT in a child: the parent decides (system calls resume: PEP 475)."""
+
+
 def _serve(conn: Connection, factory: Factory, args: tuple[Any, ...]) -> None:
     """The child: build the object, then answer calls until told to close."""
     # Ctrl-C reaches the whole process group: the parent stops the run and closes this child
-    # (or goes away: EOF below). Interrupted too, the child printed its own traceback.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # (or goes away: EOF below). Interrupted too, the child printed its own traceback. A
+    # handler that does nothing, not SIG_IGN, which the servers it starts would inherit.
+    signal.signal(signal.SIGINT, _leave_it_to_the_parent)
     # The report says the checkpoints are untrained; each child need not say it again.
     logging.getLogger("histoinfer.untrained").disabled = True
     try:

@@ -313,12 +313,15 @@ class HttpClient(ClosingContext):
             raise
         sync, pools = self._shut()
         here = _loop_key()
+        # Every other pool asked first: a cancellation while this loop's closes (asyncio's
+        # own passes anyio's shield) must not leave them open for good.
+        for pool in pools:
+            if pool.key != here:
+                pool.request_close()
+        _close_sync(sync)
         for pool in pools:
             if pool.key == here:
                 await pool.close_here()  # closed, its keeper gone, when we return
-            else:
-                pool.request_close()
-        _close_sync(sync)
 
     def __repr__(self) -> str:
         closed = " closed" if self.closed else ""
@@ -606,22 +609,25 @@ class _Attempt:
 
 
 def _os_reason(exc: BaseException) -> str | None:
-    """The system's words for the socket error under ``exc`` ("Connection refused"), if any:
-    sync, asyncio and trio calls word the same refusal three ways ("[Errno 111] Connection
-    refused", "All connection attempts failed", "all attempts to connect to … failed")."""
+    """The system's words for the connection error under ``exc`` ("Connection refused"), if
+    every one under it says the same: sync, asyncio and trio calls word the same refusal three
+    ways ("[Errno 111] Connection refused", "All connection attempts failed", "all attempts to
+    connect to … failed"). Anything else (a name that does not resolve, a certificate refused,
+    two addresses failing differently) keeps its own words."""
+    reasons: set[str] = set()
     seen: set[int] = set()
     pending: list[BaseException] = [exc]
     while pending:
-        error = pending.pop(0)
+        error = pending.pop()
         if id(error) in seen:
             continue
         seen.add(id(error))
-        if isinstance(error, OSError) and error.errno is not None:
-            return os.strerror(error.errno)
+        if isinstance(error, ConnectionError) and error.errno is not None:
+            reasons.add(os.strerror(error.errno))
         if isinstance(error, BaseExceptionGroup):
             pending.extend(error.exceptions)
         pending.extend(e for e in (error.__cause__, error.__context__) if e is not None)
-    return None
+    return reasons.pop() if len(reasons) == 1 else None
 
 
 def _retry_after(value: str | None) -> float | None:
@@ -1043,8 +1049,14 @@ class _LoopPool:
             yield client
 
     async def aclose_clients(self) -> None:
+        interrupted: BaseException | None = None
         for client in self._shards.close():
-            await client.aclose()
+            try:
+                await client.aclose()
+            except BaseException as exc:  # asyncio's own cancellation passes anyio's shield:
+                interrupted = interrupted or exc  # close the others all the same
+        if interrupted is not None:
+            raise interrupted
 
     async def close_here(self) -> None:
         """Close this pool, on its own loop (the running one), and wait until its keeper has
@@ -1072,15 +1084,16 @@ class _LoopPool:
                         scope.cancel()
                 await anyio.sleep_forever()
         finally:
-            with anyio.CancelScope(shield=True):
-                try:
+            try:
+                with anyio.CancelScope(shield=True):
                     await self.aclose_clients()
-                except Exception:  # a trio system task must not raise
-                    log.debug("closing an HTTP pool failed", exc_info=True)
-            with self._registry_lock:
-                if self._registry.get(self.key) is self:
-                    del self._registry[self.key]
-            self._closed.set()  # last: the keeper ends in this step
+            except Exception:  # a trio system task must not raise
+                log.debug("closing an HTTP pool failed", exc_info=True)
+            finally:  # even cancelled (asyncio's own, past the shield): no waiter is left
+                with self._registry_lock:
+                    if self._registry.get(self.key) is self:
+                        del self._registry[self.key]
+                self._closed.set()  # last: the keeper ends in this step
 
     def request_close(self) -> None:
         """Cancel the keeper from any thread; it closes the pool on its loop."""

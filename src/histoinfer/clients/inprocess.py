@@ -44,7 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypedDict, TypeVar
+from typing import Any, Literal, TypedDict, TypeVar, Unpack
 
 import anyio
 import anyio.from_thread
@@ -81,9 +81,6 @@ from .cores import CoreShare
 from .lifecycle import ClosingContext, InFlight, mend_after_fork, running_loop_here
 from .portal import PortalThread
 from .refusals import BatchRefusal
-
-if TYPE_CHECKING:
-    from typing_extensions import Unpack  # typing's own from Python 3.12
 
 __all__ = ["InProcessClient"]
 

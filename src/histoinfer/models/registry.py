@@ -28,8 +28,10 @@ log = logging.getLogger(__name__)
 _REGISTRY: dict[str, type[ServerModel]] = {}
 # Held while an entry point is loaded: two threads asking for one key import it once.
 _ENTRY_POINT_LOCK = threading.RLock()
-#: Entry points found naming a key registered otherwise, each said once (``_shadowed``).
-_SHADOWED_SAID: set[tuple[str, str]] = set()
+#: Keys whose entry points were looked at for one that is not used (``_shadowed``): once each.
+_SHADOWS_CHECKED: set[str] = set()
+#: Keys registered from their entry point (which is then the one in use).
+_FROM_ENTRY_POINTS: set[str] = set()
 M = TypeVar("M", bound=type[ServerModel])
 
 
@@ -159,13 +161,16 @@ def model_class(key: str) -> type[ServerModel]:
 
 
 def _shadowed(key: str, registered: type[ServerModel]) -> None:
-    """Warn (once) of an installed package's entry point for ``key`` that is not used: the key
-    is histoinfer's own (``h1``) or was registered in code first. It was ignored silently."""
+    """Warn (once a key) of an installed package's entry point for ``key`` that is not used:
+    the key is histoinfer's own (``h1``) or was registered in code first. It was ignored
+    silently."""
+    if key in _SHADOWS_CHECKED or key in _FROM_ENTRY_POINTS:
+        return
+    _SHADOWS_CHECKED.add(key)
     here = f"{registered.__module__}:{registered.__qualname__}"
     for entry in _entry_points():
-        if entry.name != key or entry.value == here or (key, entry.value) in _SHADOWED_SAID:
+        if entry.name != key or entry.value == here:
             continue
-        _SHADOWED_SAID.add((key, entry.value))
         log.warning(
             "model %r: the entry point %s is not used: %r is %s in this process (%s); "
             "declare the entry point under another key",
@@ -198,6 +203,7 @@ def _load_entry_point(key: str, declared: list[importlib.metadata.EntryPoint]) -
     try:
         cls = entry.load()
         register_model(key)(cls)
+        _FROM_ENTRY_POINTS.add(key)
     except Exception as exc:
         why = " ".join(str(exc).split())
         raise ModelEntryPointError(

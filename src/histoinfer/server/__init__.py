@@ -5,8 +5,8 @@ from ..extras import install_hint
 
 try:
     import fastapi  # noqa: F401 - only to say which extra is missing
-except ImportError as exc:  # a plain install: say what to install, not just "no fastapi"
-    raise ImportError(
+except ModuleNotFoundError as exc:  # a plain install: say what to install, not "no fastapi"
+    raise ModuleNotFoundError(
         f"histoinfer.server needs the 'server' extra: {install_hint('server')} ({exc})",
         name=exc.name,
     ) from exc

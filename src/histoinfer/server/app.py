@@ -466,7 +466,7 @@ def warm_up(client: InProcessClient) -> None:
         output = device_thread(model.device).call(model.forward_tiles, [tile], mode)
         try:
             if postprocess:
-                model.response_json(request, output.split()[0], mode)
+                model.response_json(request, output.split()[0], mode, where)
         except InferenceError as exc:
             log.warning("%s: warm-up's postprocess refused (%s): %s", meta.name, mode, exc)
 
