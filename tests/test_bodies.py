@@ -131,6 +131,20 @@ def test_numpy_integer_fields_become_json_ints():
     parse_request(json.dumps(raw))
 
 
+def test_a_float32_field_is_sent_as_the_number_it_shows():
+    """np.float32(0.3) widened to a double is 0.30000001192092896, echoed so in every response
+    (a slide-workflow trial); its own shortest digits are what the caller meant."""
+    raw = json.loads(
+        tile_body(
+            pixels(7, (4, 4, 3)),
+            **FIELDS,
+            tissue_ratio=np.float32(0.3),
+            resolution=np.float16(0.25),
+        )
+    )
+    assert (raw["tissue_ratio"], raw["resolution"]) == (0.3, 0.25)
+
+
 # ---- transparency ----------------------------------------------------------------------------
 
 

@@ -187,4 +187,8 @@ def _non_negative_int(name: str, value: Any) -> int:
 def _float(name: str, value: Any) -> float:
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
         raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}")
+    if isinstance(value, np.floating) and value.dtype.itemsize < 8:
+        # np.float32(0.3) is 0.30000001192092896 as a double: echoed so in the response. Its
+        # own shortest digits ("0.3") are what the caller meant.
+        return float(str(value))
     return float(value)
