@@ -358,20 +358,22 @@ class ServerModel:
         request in errors (as ``prepared_tile``'s). What it raises other than an
         :class:`InferenceError` fails its own request with a :class:`ModelExecutionError`,
         the same on every path."""
-        where = where if where is not None else f"for {request.where()}"
         try:
             response = self.postprocess(request, output, mode)
             if not self._own_postprocess:
-                self._check_response(response, output, where)
+                self._check_response(response, output, request, where)
             return response.model_dump_json()
         except InferenceError:
             raise
         except Exception as exc:
+            where = where or f"for {request.where()}"  # made only when needed: per response
             raise ModelExecutionError(
                 f"model {self.assets.name!r}: postprocess failed {where}: {exc!r}"
             ) from exc
 
-    def _check_response(self, response: object, output: SampleOutput, where: str) -> None:
+    def _check_response(
+        self, response: object, output: SampleOutput, request: ModelRequest, where: str | None
+    ) -> None:
         """What a subclass's ``postprocess`` returned: a ``ModelResponse`` whose values JSON can
         carry (a NaN it computed would be written as null, breaking the response schema)."""
         if not isinstance(response, ModelResponse):
@@ -388,6 +390,7 @@ class ServerModel:
                 if not output.finite
                 else f"model {name!r}: postprocess returned"
             )
+            where = where or f"for {request.where()}"
             raise ModelExecutionError(f"{blame} non-finite values (NaN or infinity) {where}")
 
     def forward_batch(self, batch: torch.Tensor, mode: Mode) -> BatchOutput:
