@@ -182,6 +182,7 @@ def test_a_batch_with_invalid_bodies_names_them_though_the_model_failed_on_anoth
     assert message.startswith("2 of 6 requests are invalid (positions 1, 4)"), message
     assert f"the model failed to prepare position {BAD}: " in message, message
     assert "stain normalisation failed" in message, message
+    assert info.value.positions == sorted([1, 4, BAD])
 
 
 class _Blank(BaseException):

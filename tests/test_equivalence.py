@@ -107,22 +107,23 @@ def flaky_pair(
         yield local, remote
 
 
-Outcome = tuple[str, Any, Any]
+# ("ok", the result, None, None) or ("error", its class, its message, its positions)
+Outcome = tuple[str, Any, Any, Any]
 
 
 def outcome(call: Callable[[], Any]) -> Outcome:
     try:
-        return ("ok", call(), None)
+        return ("ok", call(), None, None)
     except InferenceError as exc:
-        return ("error", type(exc), str(exc))
+        return ("error", type(exc), str(exc), exc.positions)
 
 
 async def aoutcome(call: Callable[[], Awaitable[Any]]) -> Outcome:
     try:
         with anyio.fail_after(60):
-            return ("ok", await call(), None)
+            return ("ok", await call(), None, None)
     except InferenceError as exc:
-        return ("error", type(exc), str(exc))
+        return ("error", type(exc), str(exc), exc.positions)
 
 
 def assert_same(local: Outcome, remote: Outcome) -> None:
@@ -130,6 +131,7 @@ def assert_same(local: Outcome, remote: Outcome) -> None:
     if local[0] == "error":
         assert remote[1] is local[1]
         assert remote[2] == local[2]
+        assert remote[3] == local[3]  # a refused batch's positions, for a program to use
         return
     a, b = local[1], remote[1]
     if isinstance(a, list):
@@ -212,6 +214,7 @@ def test_bad_input_in_batches(pair):
     ]
     expected = outcome(partial(local.predict_batch, foreign))
     assert expected[0] == "error" and "positions 1-2, 4-6" in expected[2], expected
+    assert expected[3] == [1, 2, 4, 5, 6]
     assert "got ndarray: make one with histoinfer.tile_body(" in expected[2]
     assert_same(expected, outcome(partial(remote.predict_batch, foreign)))
     for not_a_list in (tuple(good), good[0], None):
@@ -231,6 +234,7 @@ def test_model_failures(flaky_pair):
     bodies = [make_body(0), white_body(1), make_body(2), white_body(3)]
     expected = outcome(partial(local.predict_batch, bodies))
     assert expected[0] == "error" and "batch position 3" in expected[2]
+    assert expected[3] == [1, 3]  # the white tiles, which fail the pass alone
     assert_same(expected, outcome(partial(remote.predict_batch, bodies)))
     assert_same(
         outcome(lambda: local.embed(make_body(4))), outcome(lambda: remote.embed(make_body(4)))

@@ -1355,3 +1355,24 @@ def test_a_503_whose_retries_ran_out_keeps_its_retry_after():
     ):
         client.predict(make_body(0))
     assert info.value.retry_after == 0.0 and handler.n == 2  # retried once, then raised
+
+
+@pytest.mark.parametrize(
+    ("member", "positions"),
+    [([1, 3, 4], [1, 3, 4]), ("1, 3-4", None), ([1, "3"], None), ([True], None), (None, None)],
+)
+def test_a_refused_batchs_positions_are_read_only_when_they_are_positions(member, positions):
+    """The problem's ``positions`` member becomes the error's ``positions``: a list of ints
+    from histoinfer's server; anything else (another server's member of that name) is
+    left out, not passed on as something a program would index with."""
+    problem = {"type": InvalidRequestError.problem_type(), "title": "Invalid request"}
+    problem |= {"status": 422, "detail": "2 of 5 requests are invalid (...)"}
+    if member is not None:
+        problem["positions"] = member
+    answer = httpx.Response(422, headers={"content-type": "application/problem+json"}, json=problem)
+    with (
+        HttpClient("http://h", transport=_answering(answer), retries=0) as client,
+        pytest.raises(InvalidRequestError, match=r"^2 of 5 requests are invalid") as info,
+    ):
+        client.predict_batch([make_body(0)] * 5)
+    assert info.value.positions == positions

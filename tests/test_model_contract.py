@@ -211,8 +211,9 @@ def test_a_postprocess_producing_nan_fails_its_own_request(tiny_model: ServerMod
         assert all(isinstance(v, float) for v in answer["output"])
         with pytest.raises(
             ModelExecutionError, match=blame + r"at batch position 1 for patch_idx=3"
-        ):
+        ) as info:
             client.predict_batch([make_body(2), make_body(3)])
+        assert info.value.positions == [1]
 
 
 class _Unchecked(H1ServerModel):

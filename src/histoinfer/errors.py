@@ -35,6 +35,11 @@ class InferenceError(Exception):
     #: one the request sent, or the one the server made up to name it in its log (every
     #: error it logs: 500s, and 503s that shed load). None in-process.
     request_id: str | None = None
+    #: For a ``*_batch`` call (or ``/batch`` request) refused as a whole: the batch positions
+    #: of the requests that made it fail (invalid, or that the model could not prepare),
+    #: ascending, so that a caller can drop them and send the rest again; None when the
+    #: message does not list them all (past 1,000 runs of positions), and for other errors.
+    positions: list[int] | None = None
 
     @classmethod
     def problem_type(cls) -> str:

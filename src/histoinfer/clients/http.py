@@ -652,14 +652,18 @@ def _error_from(response: httpx.Response) -> InferenceError:
     seconds, as its ``retry_after``, for the caller's own back-off; every error carries the
     answer's ``X-Request-ID`` as its ``request_id``, which the server's log names.
     """
-    error = _mapped_error(response)
+    error, problem = _mapped_error(response)
+    positions = problem.get("positions")
+    if isinstance(positions, list) and all(type(p) is int for p in positions):
+        error.positions = positions
     if isinstance(error, OverloadedError):
         error.retry_after = _retry_after(response.headers.get("retry-after"))
     error.request_id = response.headers.get("x-request-id")
     return error
 
 
-def _mapped_error(response: httpx.Response) -> InferenceError:
+def _mapped_error(response: httpx.Response) -> tuple[InferenceError, dict[str, Any]]:
+    """The error, and the problem+json object it came from (empty if none)."""
     status = response.status_code
     if response.headers.get("content-type", "").startswith(_PROBLEM_JSON):
         try:
@@ -667,11 +671,13 @@ def _mapped_error(response: httpx.Response) -> InferenceError:
         except _NOT_JSON:
             problem = None
         if isinstance(problem, dict) and isinstance(problem.get("detail"), str):
-            return error_for_problem_type(problem.get("type"), status)(problem["detail"])
-    return error_for_problem_type(None, status)(
+            kind = error_for_problem_type(problem.get("type"), status)
+            return kind(problem["detail"]), problem
+    error = error_for_problem_type(None, status)(
         f"HTTP {status} from {response.request.method} {_shown(response.request.url)}: "
         f"{_head(response)}"
     )
+    return error, {}
 
 
 def _unexpected(response: httpx.Response, expected: str) -> InferenceError:

@@ -931,14 +931,13 @@ class InProcessClient(ClosingContext):
                 check()
                 chunk = prepared[start : start + self.max_batch_size]
                 outputs = self._forward_chunk(chunk, mode, start)
-                try:
-                    responses.extend(
-                        self._finish(request, output, mode, start + i)
-                        for i, ((request, _), output) in enumerate(zip(chunk, outputs, strict=True))
-                    )
-                except ModelExecutionError as exc:  # postprocess: counted as a single call's
-                    self._stats[mode].record_error(type(exc).__name__)
-                    raise
+                for i, ((request, _), output) in enumerate(zip(chunk, outputs, strict=True)):
+                    try:
+                        responses.append(self._finish(request, output, mode, start + i))
+                    except ModelExecutionError as exc:  # postprocess: counted as a single call's
+                        self._stats[mode].record_error(type(exc).__name__)
+                        exc.positions = [start + i]
+                        raise
             return responses
 
     def _decode_batch(
@@ -1000,25 +999,27 @@ class InProcessClient(ClosingContext):
         """The chunk's outputs; or one error naming every tile that failed alone and every
         tile whose outputs are NaN or infinite (``postprocess`` would stop at the first)."""
         outputs, failing = self._forward_bisecting(chunk, mode, offset)
-        non_finite = [
-            f"batch position {offset + i} ({request.where()})"
+        non_finite = {
+            offset + i: f"batch position {offset + i} ({request.where()})"
             for i, ((request, _), output) in enumerate(zip(chunk, outputs, strict=True))
             if output is not None and not output.finite
-        ]
-        problems = ["forward pass failed for " + "; ".join(failing)] if failing else []
+        }
+        problems = ["forward pass failed for " + "; ".join(failing.values())] if failing else []
         if non_finite:
             self._stats[mode].record_error(ModelExecutionError.__name__)
-            nan = non_finite_error(self.server_model.metadata().name, "; ".join(non_finite))
-            problems.append(str(nan))
+            where = "; ".join(non_finite.values())
+            problems.append(str(non_finite_error(self.server_model.metadata().name, where)))
         if problems:
-            raise ModelExecutionError("; and ".join(problems))
+            error = ModelExecutionError("; and ".join(problems))
+            error.positions = sorted([*failing, *non_finite])
+            raise error
         return [output for output in outputs if output is not None]
 
     def _forward_bisecting(
         self, chunk: list[Prepared], mode: Mode, offset: int, *, bisected: bool = False
-    ) -> tuple[list[SampleOutput | None], list[str]]:
+    ) -> tuple[list[SampleOutput | None], dict[int, str]]:
         """The chunk's outputs (None for a tile that fails alone), and those tiles (by batch
-        position, with their errors).
+        position: its words, with its error).
 
         A pass that raises is run again as two halves, as the scheduler bisects a failed
         batch: a pass that fails only at this size (a GPU out of memory) still answers every
@@ -1036,7 +1037,7 @@ class InProcessClient(ClosingContext):
         except Exception as exc:
             if len(chunk) == 1:
                 stats.record_error(type(exc).__name__)
-                return [None], [f"batch position {offset} ({chunk[0][0].where()}): {exc!r}"]
+                return [None], {offset: f"batch position {offset} ({chunk[0][0].where()}): {exc!r}"}
             if not bisected:  # once a chunk, as the scheduler logs it
                 name = f"{self._model_name}:{mode}"
                 log.warning("%s: batch of %d failed (%r); bisecting", name, len(chunk), exc)
@@ -1047,9 +1048,9 @@ class InProcessClient(ClosingContext):
             second, failed_second = self._forward_bisecting(
                 chunk[middle:], mode, offset + middle, bisected=True
             )
-            return first + second, failed_first + failed_second
+            return first + second, failed_first | failed_second
         stats.record_batch(len(chunk), (), ran_s)
-        return list(outputs), []
+        return list(outputs), {}
 
     # -- sync bridge and bookkeeping ---------------------------------------------------------
 

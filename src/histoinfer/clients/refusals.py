@@ -39,6 +39,12 @@ class _Runs:
         else:
             self._unlisted += 1
 
+    def positions(self) -> list[int] | None:
+        """Every position, or None if some are only counted."""
+        if self._unlisted:
+            return None
+        return [position for a, b in self._runs for position in range(a, b + 1)]
+
     def __str__(self) -> str:
         shown = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in self._runs)
         if self._unlisted:
@@ -74,6 +80,13 @@ class BatchRefusal:
         """Why the call computed nothing: the invalid requests, every bad position and what is
         wrong with the first ones (SPEC §2.2: ``InvalidRequestError``, whatever else failed);
         else a model's failure to prepare a request as it is (ServerModel.prepared_tile)."""
+        error = self._error(total)
+        invalid, failed = self._invalid.positions(), self._failed.positions()
+        if invalid is not None and failed is not None:
+            error.positions = sorted(invalid + failed)
+        return error
+
+    def _error(self, total: int) -> InferenceError:
         if not self._invalid.count:
             assert self._first_failure is not None, "error() of a batch with no problem"
             return self._first_failure

@@ -143,9 +143,15 @@ def problem_response(
     type_: str = "about:blank",
     *,
     retry_after: int | None = None,
+    positions: list[int] | None = None,
 ) -> Response:
-    """One problem+json response; 503s carry ``Retry-After`` so clients back off, not hammer."""
-    body = json.dumps({"type": type_, "title": title, "status": status, "detail": detail})
+    """One problem+json response; 503s carry ``Retry-After`` so clients back off, not hammer.
+    A refused ``/batch`` call's bad ``positions`` go in an extension member of that name."""
+    problem: dict[str, object] = {"type": type_, "title": title, "status": status}
+    problem["detail"] = detail
+    if positions is not None:
+        problem["positions"] = positions
+    body = json.dumps(problem)
     headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
     return Response(body, status_code=status, headers=headers, media_type=PROBLEM_JSON)
 
@@ -158,6 +164,7 @@ def error_response(exc: InferenceError, retry_after: int) -> Response:
         str(exc),
         exc.problem_type(),
         retry_after=retry_after if status == 503 else None,
+        positions=exc.positions,
     )
 
 
