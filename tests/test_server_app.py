@@ -46,7 +46,10 @@ def assert_problem(r: httpx.Response, status: int, slug: str | None = None) -> d
     assert r.status_code == status, r.text
     assert r.headers["content-type"] == "application/problem+json"
     problem = r.json()
-    assert set(problem) == PROBLEM_KEYS
+    # and a refused /batch call's bad positions, as its error has them
+    assert set(problem) - {"positions"} == PROBLEM_KEYS
+    positions = problem.get("positions", [])
+    assert isinstance(positions, list) and all(type(p) is int for p in positions)
     assert problem["status"] == status
     assert isinstance(problem["title"], str) and problem["title"]
     assert isinstance(problem["detail"], str) and problem["detail"]
@@ -227,7 +230,7 @@ async def test_a_long_batch_of_more_than_its_requests_can_hold_is_413_unparsed(
         full = [make_body(i, slide_name='{x} "y" [z]', bulk_rna=[0.5, 1.0]) for i in range(8)]
         for batch in ([json.loads(body) for body in full], full):
             p = assert_problem(await http.post("/api/embed/h1/batch", json=batch), 400)
-            assert "bulk_rna" in p["detail"]
+            assert "bulk_rna" in p["detail"] and p["positions"] == list(range(8))
 
 
 async def test_a_long_body_of_too_many_values_is_refused_as_in_process(tiny_model):
@@ -1063,7 +1066,9 @@ async def test_batch_route_takes_objects_or_bodies(tiny_model):
         with pytest.raises(InvalidRequestError) as in_process:
             client.infer_batch(mixed, "predict")
         r = await http.post("/api/predict/h1/batch", content=json.dumps(mixed))
-        assert assert_problem(r, 422)["detail"] == str(in_process.value)
+        problem = assert_problem(r, 422)
+        assert problem["detail"] == str(in_process.value)
+        assert problem["positions"] == in_process.value.positions == [1, 3]
 
         r = await http.post("/api/predict/h1/batch", content='{"not": "a list"}')
         assert assert_problem(r, 422)["detail"] == (
