@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from histoinfer import Client, InProcessClient, ServerModel
-from histoinfer.clients import inprocess
+from histoinfer.clients import inprocess, refusals
 from histoinfer.errors import (
     ClientClosedError,
     InvalidRequestError,
@@ -567,6 +567,19 @@ def test_bad_positions_past_the_listed_runs_are_counted(client: InProcessClient)
     assert ", 1997, 1999 and 1005 more after them)" in message  # 1,000 runs listed
     assert len(message) < 20_000
     assert info.value.positions is None  # not all listed: none given, rather than some
+
+
+def test_a_refused_batchs_positions_are_not_given_past_their_bound(
+    client: InProcessClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One run of bad positions can be millions long (a 30 MB batch of one-character bodies):
+    listed, it cost 240 MB. Past the bound (100,000; 5 here) none are given."""
+    monkeypatch.setattr(refusals, "GIVEN_POSITIONS", 5)
+    for count, positions in ((5, [0, 1, 2, 3, 4]), (6, None)):
+        with pytest.raises(InvalidRequestError) as info:
+            client.predict_batch(["1"] * count)
+        assert info.value.positions == positions
+        assert f"(positions 0-{count - 1})" in str(info.value)  # the message still says them
 
 
 def test_a_refused_batch_of_many_bodies_holds_no_error_per_body(client: InProcessClient) -> None:

@@ -35,10 +35,10 @@ class InferenceError(Exception):
     #: one the request sent, or the one the server made up to name it in its log (every
     #: error it logs: 500s, and 503s that shed load). None in-process.
     request_id: str | None = None
-    #: For a ``*_batch`` call (or ``/batch`` request) refused as a whole: the batch positions
-    #: of the requests that made it fail (invalid, or that the model could not prepare),
-    #: ascending, so that a caller can drop them and send the rest again; None when the
-    #: message does not list them all (past 1,000 runs of positions), and for other errors.
+    #: For a failed ``*_batch`` call (or ``/batch`` request): the batch positions of the
+    #: requests that made it fail, ascending, so that a caller can drop them and send the rest
+    #: again (docs/wire-format.md says which); None for other errors, and past 1,000 runs or
+    #: 100,000 positions (a list of millions would cost more than the call it describes).
     positions: list[int] | None = None
 
     @classmethod

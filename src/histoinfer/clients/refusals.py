@@ -19,6 +19,8 @@ NAMED_PROBLEMS = 20
 #: Runs of bad positions listed (``0-24, 30``): every one in any batch a user would send; past
 #: this many (a huge batch, every other body bad), the rest are counted.
 LISTED_RUNS = 1_000
+#: The most positions an error lists in its ``positions`` (one run can be millions long).
+GIVEN_POSITIONS = 100_000
 
 
 class _Runs:
@@ -40,8 +42,8 @@ class _Runs:
             self._unlisted += 1
 
     def positions(self) -> list[int] | None:
-        """Every position, or None if some are only counted."""
-        if self._unlisted:
+        """Every position, or None if some are only counted, or there are too many."""
+        if self._unlisted or self.count > GIVEN_POSITIONS:
             return None
         return [position for a, b in self._runs for position in range(a, b + 1)]
 
@@ -83,7 +85,8 @@ class BatchRefusal:
         error = self._error(total)
         invalid, failed = self._invalid.positions(), self._failed.positions()
         if invalid is not None and failed is not None:
-            error.positions = sorted(invalid + failed)
+            positions = sorted(invalid + failed)
+            error.positions = positions if len(positions) <= GIVEN_POSITIONS else None
         return error
 
     def _error(self, total: int) -> InferenceError:

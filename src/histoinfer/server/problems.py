@@ -1,7 +1,8 @@
 """RFC 9457 ``application/problem+json`` responses, and the errors only the server raises.
 
-Every failure leaves the service as ``{type, title, status, detail}``. For a histoinfer error the
-``type`` names its exception class and ``detail`` is its message, so
+Every failure leaves the service as ``{type, title, status, detail}`` (and a failed ``/batch``
+call's ``positions``: :attr:`~histoinfer.errors.InferenceError.positions`). For a histoinfer
+error the ``type`` names its exception class and ``detail`` is its message, so
 :class:`~histoinfer.HttpClient` raises the very class and message that
 :class:`~histoinfer.InProcessClient` raises for the same input.
 """
@@ -101,6 +102,11 @@ class Problem(BaseModel):
     title: str = Field(description="short summary of the kind of problem")
     status: int = Field(description="the HTTP status code")
     detail: str = Field(description="what went wrong with this request, and where")
+    positions: list[int] | None = Field(
+        default=None,
+        description="a failed /batch call's: the batch positions of the requests that made it "
+        "fail (absent for other errors, and past 1,000 runs or 100,000 positions)",
+    )
 
 
 class UnknownModelError(InvalidRequestError):
