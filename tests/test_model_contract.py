@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -221,16 +222,7 @@ class _Unchecked(H1ServerModel):
     refuses non-finite ones)."""
 
     def postprocess(self, request: ModelRequest, output: SampleOutput, mode: Mode) -> ModelResponse:
-        assert output.predictions is not None
-        return ModelResponse(
-            output=output.predictions,
-            slide_name=request.slide_name,
-            x=request.x,
-            y=request.y,
-            patch_idx=request.patch_idx,
-            width=request.width,
-            height=request.height,
-        )
+        return super().postprocess(request, dataclasses.replace(output, finite=True), mode)
 
 
 def test_a_non_finite_pass_is_blamed_on_the_model_past_a_postprocess_of_its_own(

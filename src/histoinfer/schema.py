@@ -8,6 +8,7 @@ ours except the errors: it is part of the contract.
 
 from __future__ import annotations
 
+import codecs
 import json
 from typing import Annotated, Any, Literal
 
@@ -321,7 +322,7 @@ def _patch_idx_hint(raw: object) -> str:
 
 
 def _invalid(model: type[BaseModel], body: str | bytes, exc: ValidationError, what: str) -> str:
-    if body.startswith("\ufeff" if isinstance(body, str) else b"\xef\xbb\xbf"):  # type: ignore[arg-type]
+    if body.startswith("\ufeff" if isinstance(body, str) else codecs.BOM_UTF8):  # type: ignore[arg-type]
         # Windows editors and .NET's UTF-8 encoder write one; pydantic says only "expected
         # value at line 1 column 1".
         return f"{what}: body is not valid JSON (it starts with a byte-order mark: send it without)"

@@ -1007,7 +1007,7 @@ class InProcessClient(ClosingContext):
         problems = ["forward pass failed for " + "; ".join(failing.values())] if failing else []
         if non_finite:
             self._stats[mode].record_error(ModelExecutionError.__name__)
-            where = "; ".join(non_finite.values())
+            where = "for " + "; ".join(non_finite.values())
             problems.append(str(non_finite_error(self.server_model.metadata().name, where)))
         if problems:
             error = ModelExecutionError("; and ".join(problems))

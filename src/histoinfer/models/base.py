@@ -158,12 +158,12 @@ class BatchOutput:
         return mask
 
 
-def non_finite_error(model: str, where: str) -> ModelExecutionError:
-    """The error of outputs with NaN or infinity (for ``where``: one tile, or several). JSON
-    has no NaN: serialized, it would become null and break the response schema."""
-    return ModelExecutionError(
-        f"model {model!r} produced non-finite values (NaN or infinity) for {where}"
-    )
+def non_finite_error(model: str, where: str, step: str = "") -> ModelExecutionError:
+    """The error of outputs with NaN or infinity (``where``: "for" one tile, or several, or
+    "at" a batch position), blaming ``step`` if one is named (else the model's pass). JSON has
+    no NaN: serialized, it would become null and break the response schema."""
+    blame = f"model {model!r}: {step} returned" if step else f"model {model!r} produced"
+    return ModelExecutionError(f"{blame} non-finite values (NaN or infinity) {where}")
 
 
 def assets_folder(checkpoint_path: str | Path, assets_dir: str | Path | None = None) -> Path:
@@ -384,14 +384,8 @@ class ServerModel:
         if not all(math.isfinite(v) for vector in values for v in vector):
             # The pass's own NaN (a postprocess that does not check, as the built-in one
             # does), or one the postprocess made from finite outputs: blame the step.
-            name = self.assets.name
-            blame = (
-                f"model {name!r} produced"
-                if not output.finite
-                else f"model {name!r}: postprocess returned"
-            )
-            where = where or f"for {request.where()}"
-            raise ModelExecutionError(f"{blame} non-finite values (NaN or infinity) {where}")
+            step = "" if not output.finite else "postprocess"
+            raise non_finite_error(self.assets.name, where or f"for {request.where()}", step)
 
     def forward_batch(self, batch: torch.Tensor, mode: Mode) -> BatchOutput:
         """Run a stacked batch ``[B, 3, T, T]`` through the model on its device: ``uint8``
@@ -487,7 +481,7 @@ class ServerModel:
 
     def postprocess(self, request: ModelRequest, output: SampleOutput, mode: Mode) -> ModelResponse:
         if not output.finite:
-            raise non_finite_error(self.assets.name, request.where())
+            raise non_finite_error(self.assets.name, f"for {request.where()}")
         values = output.embedding if mode == "embed" else output.predictions
         if values is None:
             raise InvalidRequestError(
