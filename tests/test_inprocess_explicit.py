@@ -558,14 +558,16 @@ def test_a_batch_of_many_bad_requests_names_every_position_and_describes_the_fir
     assert model.calls == []
 
 
-def test_bad_positions_past_the_listed_runs_are_counted(client: InProcessClient) -> None:
-    bodies = ["1" if i % 2 else make_body(i) for i in range(4_010)]  # 2,005 runs of one
+def test_bad_positions_past_the_listed_runs_are_counted(
+    client: InProcessClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past :data:`LISTED_RUNS` runs (1,000; 4 here, as 4,000 bodies took 27 s to decode) the
+    rest are counted, not listed."""
+    monkeypatch.setattr(refusals, "LISTED_RUNS", 4)
+    bodies = ["1" if i % 2 else make_body(i) for i in range(14)]  # 7 runs of one
     with pytest.raises(InvalidRequestError) as info:
         client.predict_batch(bodies)
-    message = str(info.value)
-    assert "(positions 1, 3, 5, " in message
-    assert ", 1997, 1999 and 1005 more after them)" in message  # 1,000 runs listed
-    assert len(message) < 20_000
+    assert "(positions 1, 3, 5, 7 and 3 more after them)" in str(info.value)
     assert info.value.positions is None  # not all listed: none given, rather than some
 
 
