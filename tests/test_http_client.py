@@ -460,29 +460,76 @@ def test_a_body_over_the_limit_is_refused_with_413_over_a_real_socket(tiny_model
         assert json.loads(client.embed(make_body(2)))["patch_idx"] == 2
 
 
-def test_a_body_declared_over_the_limit_but_never_sent_gets_its_413_in_seconds(
-    tiny_model, monkeypatch
+def until_closed(conn: socket.socket, within: float) -> bytes:
+    """All the server sends until it closes the connection: a timeout if it keeps it open."""
+    conn.settimeout(within)
+    received = b""
+    while chunk := conn.recv(65536):
+        received += chunk
+    return received
+
+
+def one_response(conn: socket.socket) -> bytes:
+    """One whole response (headers and its Content-Length of body) read from ``conn``."""
+    received = b""
+    while b"\r\n\r\n" not in received:
+        received += conn.recv(65536) or b"<closed>"
+    head, _, body = received.partition(b"\r\n\r\n")
+    length = int(re.search(rb"content-length: (\d+)", head.lower()).group(1))  # type: ignore[union-attr]
+    while len(body) < length:
+        body += conn.recv(65536) or b"<closed>"
+    return head + b"\r\n\r\n" + body
+
+
+POST_HEAD = b"POST /api/predict/h1 HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+
+
+def test_a_body_declared_over_the_limit_but_never_sent_gets_its_413_at_once_and_a_close(
+    tiny_model,
 ):
-    """A client that declares more than it sends: the server drains for a bounded time, then
-    answers, instead of holding the request until the client gives up."""
-    import socket
-
-    from histoinfer.server import app as app_module
-
-    monkeypatch.setattr(app_module, "_DRAIN_SECONDS", 0.5)
+    """A client that declares more than it sends: the server drains while the body keeps
+    coming, then answers and closes the connection (the body's rest would be read as the next
+    request). Until session 27 it waited the whole 5 s drain for a body that had stopped."""
     app = create_app(InProcessClient(tiny_model, overload="reject"), max_body_bytes=1024)
     with (
         thread_server(app) as small,
         socket.create_connection(("127.0.0.1", small.port), timeout=20) as conn,
     ):
         started = time.monotonic()
-        conn.sendall(
-            b"POST /api/predict/h1 HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Content-Length: 99999999999\r\n\r\n{}"
-        )
-        answer = conn.recv(65536)
+        conn.sendall(POST_HEAD + b"Content-Length: 99999999999\r\n\r\n{}")
+        answer = until_closed(conn, within=10)
         assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
-        assert time.monotonic() - started < 10
+        assert b"\r\nconnection: close\r\n" in answer.lower(), answer[:400]
+        assert time.monotonic() - started < 4
+
+
+def test_a_body_that_stalls_gets_its_408_and_its_connection_closed(tiny_model):
+    """Regression (a user trial): the 408 left the connection open, holding the unread body's
+    place, and a byte sent after it kept the connection open with no timeout at all."""
+    app = create_app(InProcessClient(tiny_model), warmup=False, body_timeout=0.5)
+    with (
+        thread_server(app) as server,
+        socket.create_connection(("127.0.0.1", server.port), timeout=20) as conn,
+    ):
+        conn.sendall(POST_HEAD + b"Content-Length: 1000\r\n\r\n{")
+        answer = until_closed(conn, within=15)
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+        assert b"\r\nconnection: close\r\n" in answer.lower(), answer[:400]
+
+
+def test_a_body_over_the_limit_sent_whole_keeps_its_connection(tiny_model):
+    """Drained to its end, the body leaves the connection ready for the next request."""
+    app = create_app(InProcessClient(tiny_model), warmup=False, max_body_bytes=1024)
+    with (
+        thread_server(app) as server,
+        socket.create_connection(("127.0.0.1", server.port), timeout=20) as conn,
+    ):
+        conn.sendall(POST_HEAD + b"Content-Length: 2000\r\n\r\n" + b" " * 2000)
+        answer = one_response(conn)
+        assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+        assert b"connection: close" not in answer.lower(), answer[:400]
+        conn.sendall(b"GET /health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert one_response(conn).startswith(b"HTTP/1.1 200"), "the connection was not kept"
 
 
 # -- max_in_flight -------------------------------------------------------------------------

@@ -146,11 +146,27 @@ def test_sigterm_lets_in_flight_requests_finish_and_refuses_new_ones(tiny_checkp
         assert json.loads(response.text)["slide_name"] == "slow-3"
         assert_stopped_as_documented(server, server_args)
         assert "start-up heap frozen" in server.output()  # once the models were loaded
-        # The operator's record (under hypercorn there was none at all).
-        assert "SIGTERM: draining; requests in flight have" in server.output()
-        assert "draining: new requests are refused (503 closed); 1 in flight go on" in (
-            server.output()
-        )
+        # The operator's record (under hypercorn there was none at all), the signal first
+        # (under uvicorn the drain's line came before it: a user trial).
+        said = server.output()
+        signal_line = said.find("SIGTERM: draining; requests in flight have")
+        drain_line = said.find("draining: new requests are refused (503 closed); 1 in flight go on")
+        assert 0 <= signal_line < drain_line, said
+
+
+def test_sigint_inherited_ignored_still_ends_the_server_as_interrupted(tiny_checkpoint):
+    """A background job of a script (`histoinfer serve ... &`) inherits SIGINT ignored, and
+    uvicorn's re-raise of it then did nothing: `kill -INT` drained the server, which exited 0
+    with no word (a user trial)."""
+    ignoring = "import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+    ignoring += "from histoinfer.cli import main; sys.exit(main())"
+    args = ["--model", "h1", "--checkpoint", str(tiny_checkpoint), "--server", "uvicorn"]
+    env = {"PYTHONPATH": str(SRC)}
+    with ServerProcess(args, launcher=["-c", ignoring], env=env, ready_timeout=90) as server:
+        server.proc.send_signal(signal.SIGINT)
+        assert server.proc.wait(timeout=60) == 130, server.output()
+        assert "SIGINT: draining" in server.output()
+        assert "histoinfer: interrupted" in server.output()
 
 
 def post_in_thread(url: str, body: str) -> tuple[threading.Thread, dict[str, Any]]:

@@ -75,6 +75,7 @@ from .problems import (
     RequestTimeoutError,
     UnknownModelError,
     install_problem_handlers,
+    leave_body_unread,
 )
 
 __all__ = [
@@ -109,11 +110,13 @@ _JSON = "application/json"
 _Endpoint = TypeVar("_Endpoint", bound=Callable[..., Any])
 _Answer = TypeVar("_Answer")  # what a route's work gives: one response's JSON, or a list of them
 # Past the limit the rest of the body is read and dropped (up to this much, for up to this
-# long) before answering 413: a client still writing would otherwise see a connection reset
-# instead of the 413. The time bound: a client that declares more than it sends would
-# otherwise hold the request until its own timeout.
+# long, while it keeps coming) before answering 413: a client still writing would otherwise
+# see a connection reset instead of the 413. The time bounds: a client that declares more
+# than it sends would otherwise hold the request until its own timeout (a stalled one waited
+# the whole 5 s for its answer: a user trial). Cut short, the answer closes the connection.
 _DRAIN_CAP = 256 * 1024 * 1024
 _DRAIN_SECONDS = 5.0
+_DRAIN_STALL = 1.0
 
 Status = Literal["loading", "ready", "failed", "closed"]
 
@@ -341,8 +344,10 @@ class ServerState:
         """A request in flight from its headers on: ``with state.arrived() as arrival:``."""
         return Arrival(self)
 
-    def unanswered(self, arrival: Arrival) -> Response:
+    def unanswered(self, request: Request, arrival: Arrival) -> Response:
         """The answer of a request whose scope was cancelled (:class:`Arrival` says by what)."""
+        if arrival.reading_since is not None:  # cancelled mid-body
+            leave_body_unread(request)
         if arrival.stalled:
             raise RequestTimeoutError(
                 f"no part of the request body arrived for {self.body_timeout:g} s (the "
@@ -496,13 +501,13 @@ async def read_body(request: Request, limit: int, arrival: Arrival | None = None
     async for chunk in stream:
         size += len(chunk)
         if size > limit:
-            await _discard(stream, size, arrival)
+            await _discard(request, stream, size, arrival)
             raise PayloadTooLargeError(
                 f"request body is over the limit of {limit} bytes (--max-body-mb)"
             )
         if arrival is not None and not arrival.hold(len(chunk)):
             refusal = arrival.no_room(len(chunk))
-            await _discard(stream, size, arrival)
+            await _discard(request, stream, size, arrival)
             raise refusal
         chunks.append(chunk)
         if arrival is not None:  # the timeout runs between chunks: a slow link is no stall
@@ -524,23 +529,36 @@ async def refuse_unread(request: Request, arrival: Arrival | None = None) -> Non
     that the client sees the answer rather than a connection reset."""
     # A client that sent "Expect: 100-continue" waits for the server's go-ahead, which
     # reading the body would give: refused now, it never uploads the body at all.
-    if request.headers.get("expect", "").lower() != "100-continue":
-        await _discard(request.stream(), 0, arrival)
+    if request.headers.get("expect", "").lower() == "100-continue":
+        leave_body_unread(request)
+    else:
+        await _discard(request, request.stream(), 0, arrival)
 
 
-async def _discard(stream: AsyncIterator[bytes], already: int, arrival: Arrival | None) -> None:
-    """The rest of ``stream`` (the body being read), read and dropped. The same iterator:
-    a second ``request.stream()`` raises once the body's last chunk has arrived. The body
-    timeout no longer watches it: the answer is decided (a slow drain would have turned it
-    into a 408 saying no part of the body arrived)."""
+async def _discard(
+    request: Request, stream: AsyncIterator[bytes], already: int, arrival: Arrival | None
+) -> None:
+    """The rest of ``stream`` (the body being read), read and dropped: up to ``_DRAIN_CAP``
+    bytes, for ``_DRAIN_SECONDS``, while a chunk comes every ``_DRAIN_STALL``; cut short, the
+    request is marked to close its connection. The same iterator: a second
+    ``request.stream()`` raises once the body's last chunk has arrived. The body timeout no
+    longer watches it: the answer is decided (a slow drain would have turned it into a 408
+    saying no part of the body arrived)."""
     if arrival is not None:
         arrival.reading_since = None
     size = already
+    chunks = aiter(stream)
     with anyio.move_on_after(_DRAIN_SECONDS):
-        async for chunk in stream:
+        while size <= _DRAIN_CAP:
+            chunk: bytes | None = None
+            with anyio.move_on_after(_DRAIN_STALL) as gap:
+                chunk = await anext(chunks, None)
+            if gap.cancelled_caught:
+                break
+            if chunk is None:
+                return  # read to its end: the connection can carry the next request
             size += len(chunk)
-            if size > _DRAIN_CAP:
-                return
+    leave_body_unread(request)
 
 
 #: What the log and /metrics show for a request whose client hung up before its answer (nginx's
@@ -942,7 +960,7 @@ def create_app(
                 raise StarletteHTTPException(405, headers={"Allow": "GET, HEAD"})
             checked, client = _mode(mode), state.client(model, arrival)
             return await answer(request, client, body, checked, arrival)
-        return state.unanswered(arrival)
+        return state.unanswered(request, arrival)
 
     # The single-tile route, every request's, is served by a plain Starlette route: FastAPI's
     # own handling of a route (its dependency solving and request/response wrappers) cost
@@ -1004,7 +1022,7 @@ def create_app(
                         "server takes at once (--max-batch-calls); retry later"
                     )
                 return await run_batch(request, client, checked, raw, arrival)
-        return state.unanswered(arrival)
+        return state.unanswered(request, arrival)
 
     async def run_batch(
         request: Request, client: InProcessClient, checked: Mode, raw: bytes, arrival: Arrival
@@ -1065,7 +1083,7 @@ def create_app(
                 ) from None
             body = invocation.to_model_request().model_dump_json()
             return await answer(request, client, body, mode, arrival)
-        return state.unanswered(arrival)
+        return state.unanswered(request, arrival)
 
     def readiness() -> JSONResponse:
         draining = state.stopping or state.draining

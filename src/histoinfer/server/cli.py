@@ -372,8 +372,10 @@ def _run_uvicorn(app: Any, state: ServerState, args: argparse.Namespace) -> None
 
     class Server(uvicorn.Server):
         draining: asyncio.TimerHandle | None = None
+        stopped_by: int | None = None
 
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            self.stopped_by = sig
             # On the event loop (uvicorn's signal handler). Readiness fails at once; requests
             # are still served for --drain-delay, then new ones get 503 "closed" while those in
             # flight finish, and just before the graceful timeout the app answers the rest.
@@ -397,8 +399,11 @@ def _run_uvicorn(app: Any, state: ServerState, args: argparse.Namespace) -> None
 
         def drain(self, sig: int, frame: FrameType | None) -> None:
             self.draining = None
-            state.begin_drain(announce=True)
+            state.begin_stopping()  # now: a second signal must find it stopping
             loop = asyncio.get_running_loop()
+            # Its line through the loop too, so after the signal's own (a trial read the
+            # effect logged before its cause), and not from inside a signal handler.
+            loop.call_soon_threadsafe(state.begin_drain, True)
             loop.call_later(_before_the_deadline(args.graceful_timeout), state.expire_in_flight)
             super().handle_exit(sig, frame)
 
@@ -422,6 +427,13 @@ def _run_uvicorn(app: Any, state: ServerState, args: argparse.Namespace) -> None
 
     state.on_fatal = stop
     server.run()
+    # uvicorn re-raises the stop signal once it has stopped, which ends the process as that
+    # signal does. One inherited ignored (SIGINT, by a background job of a script) ends it
+    # nowhere: the process went on to exit 0, as if nothing had stopped it (a user trial).
+    if server.stopped_by == signal.SIGINT:
+        raise KeyboardInterrupt
+    if server.stopped_by == signal.SIGTERM:
+        raise SystemExit(128 + signal.SIGTERM)
 
 
 def _signal_said(sig: int, state: ServerState, args: argparse.Namespace) -> str:

@@ -11,6 +11,7 @@ own metrics (``process_*``, ``python_*``) are read into it too.
 
 from __future__ import annotations
 
+import math
 import time
 from bisect import bisect_left
 from collections import Counter
@@ -298,9 +299,14 @@ class StatsCollector(Collector):
                 buckets.append(("+Inf", float(snap.batches)))
                 batch_size.add_metric(key, buckets, sum_value=snap.samples)
                 depth.add_metric(key, snap.queue_depth)
+                # NaN with nothing measured yet, as Prometheus's own summaries say it: 0.0
+                # read on a dashboard as an idle mode's zero latency (a user trial).
+                waited, passed = sum(snap.queue_wait_buckets) > 0, snap.batches > 0
                 for field, quantile in _QUANTILES:
-                    queue_wait.add_metric([*key, quantile], snap.queue_wait_ms[field] / 1000.0)
-                    forward.add_metric([*key, quantile], snap.forward_ms[field] / 1000.0)
+                    wait_s = snap.queue_wait_ms[field] / 1000.0 if waited else math.nan
+                    forward_s = snap.forward_ms[field] / 1000.0 if passed else math.nan
+                    queue_wait.add_metric([*key, quantile], wait_s)
+                    forward.add_metric([*key, quantile], forward_s)
                 busy.add_metric(key, snap.forward_busy_s)
                 wait_histogram.add_metric(
                     key, _cumulative(snap.queue_wait_buckets), sum_value=snap.queue_wait_total_s

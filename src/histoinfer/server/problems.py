@@ -37,6 +37,7 @@ __all__ = [
     "RequestTimeoutError",
     "UnknownModelError",
     "install_problem_handlers",
+    "leave_body_unread",
     "problem_response",
 ]
 
@@ -162,6 +163,21 @@ def problem_response(
     return Response(body, status_code=status, headers=headers, media_type=PROBLEM_JSON)
 
 
+def leave_body_unread(request: Request) -> None:
+    """Mark ``request`` as answered before its body was read to its end: its answer says
+    ``Connection: close``, and the server closes the connection after it (RFC 9110 §15.5.9).
+    Left open, the rest of the body would be read as the connection's next request, and a
+    client that had stalled kept its connection with no timeout at all (a user trial: open
+    after three minutes)."""
+    request.state.body_unread = True
+
+
+def _closing(request: Request, response: Response) -> Response:
+    if getattr(request.state, "body_unread", False):
+        response.headers["Connection"] = "close"
+    return response
+
+
 def error_response(exc: InferenceError, retry_after: int) -> Response:
     status = exc.http_status
     return problem_response(
@@ -276,7 +292,7 @@ def install_problem_handlers(app: FastAPI, retry_after: int) -> None:
         assert isinstance(exc, InferenceError)
         response = error_response(exc, retry_after)
         log_answer(request, exc, response, throttle)
-        return response
+        return _closing(request, response)
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
@@ -293,7 +309,7 @@ def install_problem_handlers(app: FastAPI, retry_after: int) -> None:
             allowed = _allowed_methods(request)
             if allowed:
                 response.headers["Allow"] = ", ".join(sorted(allowed))
-        return response
+        return _closing(request, response)
 
     async def validation_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
