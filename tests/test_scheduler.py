@@ -985,3 +985,47 @@ def test_a_scheduler_whose_loop_ended_says_so(first: str, second: str) -> None:
     assert anyio.run(use, backend=first) == 5
     with pytest.raises(ClientClosedError, match=r"the event loop it served has ended.*PerLoop"):
         anyio.run(use, backend=second)
+
+
+def test_a_keyboard_interrupt_in_the_runner_leaves_the_scheduler_serving_its_loop() -> None:
+    """Ctrl-C landing in the runner's task on asyncio ends that task and the loop's
+    run_until_complete, not the loop: IPython's and nest_asyncio's loops run on. The scheduler
+    took it for the loop's end and refused every later call, and callers it held waited for
+    ever (a user trial). Asyncio only, driven by hand: trio never raises KeyboardInterrupt in
+    the system task the runner is there."""
+    import asyncio
+
+    class Interrupting(BatchStats):
+        armed = True
+
+        def record_batch(self, *args: Any) -> None:  # on the loop, in the runner's task
+            if self.armed:
+                self.armed = False
+                raise KeyboardInterrupt
+            super().record_batch(*args)
+
+    scheduler = BatchScheduler(
+        lambda items: [2 * x for x in items], max_batch_size=4, max_wait_ms=1, stats=Interrupting()
+    )
+
+    async def many(n: int) -> list[Any]:
+        calls = (scheduler.submit(i) for i in range(n))
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    loop = asyncio.new_event_loop()
+    try:
+        first = loop.create_task(many(40))
+        with pytest.raises(KeyboardInterrupt):
+            loop.run_until_complete(first)
+        # The loop goes on (the next cell): every caller is answered or told why, none hangs.
+        answered = loop.run_until_complete(asyncio.wait_for(asyncio.shield(first), 10))
+        for i, result in enumerate(answered):
+            told = "KeyboardInterrupt interrupted the scheduler" in str(result)
+            assert result == 2 * i or (isinstance(result, InferenceError) and told), repr(result)
+        held = [r for r in answered if isinstance(r, BaseException)]
+        assert held, "no caller was held by the interrupted runner: the test tests nothing"
+        # ...and the scheduler serves new calls on the same loop, then closes.
+        assert loop.run_until_complete(asyncio.wait_for(many(10), 10)) == list(range(0, 20, 2))
+        loop.run_until_complete(asyncio.wait_for(scheduler.aclose(), 10))
+    finally:
+        loop.close()

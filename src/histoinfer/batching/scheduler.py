@@ -128,13 +128,24 @@ class _Handoff(Generic[T, R]):
             p.refused = isinstance(result, BaseException)
 
     def fire(self) -> None:
+        # Marked fired once every caller is woken, each woken once: a KeyboardInterrupt landing
+        # midway (asyncio) leaves the rest to the next fire (the runner fires it again).
         if not self.fired:
-            self.fired = True
             for p, result in zip(self.pendings, self.results, strict=True):
+                if p.done.is_set():
+                    continue
                 if isinstance(result, BaseException):
                     p.resolve(error=result)
                 else:
                     p.resolve(result)
+            self.fired = True
+
+
+def _retrieve(task: asyncio.Task[None]) -> None:
+    """Mark a runner's end as seen: one ended by a KeyboardInterrupt (which its caller got) was
+    otherwise logged as "Task exception was never retrieved" when collected."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _is_async(fn: object) -> bool:
@@ -247,6 +258,7 @@ class BatchScheduler(Generic[T, R]):
         self._runner: asyncio.Task[None] | None = None
         self._finished: anyio.Event | None = None
         self._handoff: _Handoff[T, R] | None = None  # the last batch, callers not yet woken
+        self._holding: list[_Pending[T, R]] = []  # the batch being collected or run
         # Seconds the batch function has run, on its thread (one call at a time: the runner
         # awaits each); a batch's share is read after it, bisected halves included.
         self._last_pass_s = 0.0  # the latest batch function call's duration, on its thread
@@ -375,7 +387,10 @@ class BatchScheduler(Generic[T, R]):
         try:
             self._send.send_nowait(pending)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            raise ClientClosedError(f"{self.name}: {self._closed_why}") from None
+            if self._closing:
+                raise ClientClosedError(f"{self.name}: {self._closed_why}") from None
+            self._ensure_runner()  # its runner was interrupted while this caller waited
+            self._send.send_nowait(pending)
         self._queued += 1
         self._count(self.stats.queue_changed, +1)
         try:
@@ -470,20 +485,30 @@ class BatchScheduler(Generic[T, R]):
             self._runner = asyncio.get_running_loop().create_task(
                 self._run(), name=f"histoinfer:{self.name}"
             )
+            self._runner.add_done_callback(_retrieve)
 
     async def _run(self) -> None:
+        interrupted: BaseException | None = None
         try:
             while await self._step():
                 pass
+        except (KeyboardInterrupt, SystemExit) as exc:
+            # Ctrl-C landed in this task. On asyncio it ends the task, and the loop's
+            # run_until_complete, but not the loop: IPython's and nest_asyncio's run on, and a
+            # scheduler that took it for the loop's end refused every later call (a user trial).
+            interrupted = exc
+            raise
         except Exception:  # pragma: no cover - _step lets only cancellation out
             log.exception("%s: scheduler runner failed", self.name)
         finally:
-            # The loop is ending (cancelled) or the scheduler was closed: nobody is left behind.
-            self._shutdown()
+            # The loop is ending (cancelled), the scheduler was closed, or the runner was
+            # interrupted: nobody is left behind.
+            self._shutdown(interrupted)
 
     async def _step(self) -> bool:
         """Collect and dispatch one batch; False once the stream has ended."""
         batch: list[_Pending[T, R]] = []
+        self._holding = batch  # cancelled or interrupted, _shutdown fails what it holds
         try:
             more = await self._collect(batch)
             await self._dispatch(batch)
@@ -494,31 +519,36 @@ class BatchScheduler(Generic[T, R]):
             self._fail(batch, partial(InferenceError, f"{self.name}: scheduler error: {exc!r}"))
             await anyio.lowlevel.checkpoint()  # a repeating bug must not starve the loop
             return True
-        except BaseException:  # cancelled: the loop is ending
-            self._wake_finished()
-            self._fail(batch, self._closed_error)
-            raise
 
-    def _shutdown(self) -> None:
+    def _shutdown(self, interrupted: BaseException | None = None) -> None:
+        """The runner's end: every item it holds fails. Interrupted (and not closing), the
+        scheduler goes on: the next item starts a runner again, in the same loop."""
         self._wake_finished()
-        if not self._closing:  # nobody closed it: its loop is ending
+        restart = interrupted is not None and not self._closing
+        make_error: Callable[[], BaseException] = self._closed_error
+        if interrupted is not None and restart:
+            make_error = partial(self._interrupted_error, interrupted)
+        elif not self._closing:  # nobody closed it: its loop is ending
             self._closed_why = (
                 "the event loop it served has ended (a BatchScheduler serves one loop; "
                 "histoinfer.batching.PerLoop gives one per loop)"
             )
-        self._closing = True
+        self._closing = self._closing or not restart
         self._send.close()
-        leftovers: list[_Pending[T, R]] = []
+        held, self._holding = self._holding, []
         while True:
             try:
-                leftovers.append(self._receive.receive_nowait())
+                held.append(self._receive.receive_nowait())
             except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
                 break
-        self._fail(leftovers, self._closed_error)
+        self._fail(held, make_error)
         self._receive.close()
         self._runner = None
         if self._finished is not None:
             self._finished.set()
+        if restart:
+            self._loop = None  # _ensure_runner makes new streams and a runner
+            return
         if self._on_exit is not None:
             try:
                 self._on_exit()
@@ -528,12 +558,19 @@ class BatchScheduler(Generic[T, R]):
     def _closed_error(self) -> InferenceError:
         return ClientClosedError(f"{self.name}: the event loop or scheduler shut down")
 
+    def _interrupted_error(self, interrupted: BaseException) -> InferenceError:
+        return InferenceError(
+            f"{self.name}: {type(interrupted).__name__} interrupted the scheduler before this "
+            "request was answered; the scheduler goes on serving: send it again"
+        )
+
     def _fail(
         self, pendings: list[_Pending[T, R]], make_error: Callable[[], BaseException]
     ) -> None:
         queued = 0
         for p in pendings:
-            if p.state in (_QUEUED, _DISPATCHED, _RUNNING):
+            # Not by state alone: an interrupted resolve() can leave one DONE, never woken.
+            if p.state != _ABANDONED and not p.done.is_set():
                 queued += p.state == _QUEUED
                 p.resolve(error=make_error())
         if queued:
@@ -669,9 +706,10 @@ class BatchScheduler(Generic[T, R]):
             self._count(self.stats.record_batch, len(waits), waits, self._last_pass_s)
 
     def _wake_finished(self) -> None:
-        handoff, self._handoff = self._handoff, None
+        handoff = self._handoff
         if handoff is not None:
             handoff.fire()
+            self._handoff = None  # after: interrupted midway, the next call fires the rest
 
     def _call(
         self, pendings: list[_Pending[T, R]], handoff: _Handoff[T, R] | None = None

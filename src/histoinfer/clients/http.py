@@ -65,6 +65,9 @@ __all__ = ["BATCH_BODIES_JSON", "BYTES_KEY", "NDJSON", "STR_KEY", "HttpClient"]
 log = logging.getLogger("histoinfer.http")
 #: the logger an untrained model is announced on, in-process too (models/base.py)
 untrained_log = logging.getLogger("histoinfer.untrained")
+#: (server, model) pairs announced as untrained in this process: once each, as in-process
+#: checkpoints are (a notebook re-running the cell that makes its client heard it each time)
+_announced: set[tuple[str, str]] = set()
 
 # The same values as in histoinfer.server.app (which this module must not import: FastAPI).
 #: Batch request whose elements are the bodies exactly as the caller passed them.
@@ -328,10 +331,14 @@ class HttpClient(ClosingContext):
         return f"<HttpClient {self.model!r} at {self.base_url}{closed}>"
 
     def _note_untrained(self) -> None:
-        """The server said its model's weights are untrained: said here too, once a client,
-        on the logger an in-process user hears it on (the server's own log is not theirs)."""
+        """The server said its model's weights are untrained: said here too, once a process
+        for each server and model, on the logger an in-process user hears it on (the server's
+        own log is not theirs)."""
         if not self._warned_untrained:
             self._warned_untrained = True
+            if (self.base_url, self.model) in _announced:
+                return
+            _announced.add((self.base_url, self.model))
             untrained_log.warning(
                 "model %r at %s has seeded, UNTRAINED weights (a reference checkpoint): the "
                 "real architecture and costs, but its outputs are not biology",
