@@ -1029,3 +1029,40 @@ def test_a_keyboard_interrupt_in_the_runner_leaves_the_scheduler_serving_its_loo
         loop.run_until_complete(asyncio.wait_for(scheduler.aclose(), 10))
     finally:
         loop.close()
+
+
+def test_an_item_the_interrupted_runner_had_taken_off_its_queue_is_failed_not_lost() -> None:
+    """Ctrl-C landing just after the runner took an item off its stream, before the item was
+    in its batch: the item was in neither, and its caller waited for ever (a review)."""
+    import asyncio
+
+    scheduler = BatchScheduler(lambda items: [2 * x for x in items], max_batch_size=4)
+
+    class Interrupted:
+        def __init__(self, stream: Any) -> None:
+            self.stream = stream
+
+        def receive_nowait(self) -> Any:
+            self.stream.receive_nowait()  # taken off, then Ctrl-C
+            raise KeyboardInterrupt
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.stream, name)
+
+    async def one() -> Any:
+        scheduler._ensure_runner()
+        scheduler._receive = Interrupted(scheduler._receive)  # type: ignore[assignment]
+        return await scheduler.submit(1)
+
+    loop = asyncio.new_event_loop()
+    try:
+        first = loop.create_task(one())
+        with pytest.raises(KeyboardInterrupt):
+            loop.run_until_complete(first)
+        with pytest.raises(InferenceError, match="KeyboardInterrupt interrupted the scheduler"):
+            loop.run_until_complete(asyncio.wait_for(asyncio.shield(first), 10))
+        assert loop.run_until_complete(asyncio.wait_for(scheduler.submit(3), 10)) == 6
+        assert (scheduler.queue_depth, scheduler.admitted) == (0, 0)
+        loop.run_until_complete(asyncio.wait_for(scheduler.aclose(), 10))
+    finally:
+        loop.close()

@@ -429,6 +429,7 @@ async def test_a_declared_body_over_the_limit_with_expect_100_continue_is_refuse
             body = [{"type": "http.request", "body": b" " * 2000, "more_body": False}]
             sent, received = await post_raw(app, body, declared)  # no Expect: drained first
             assert (sent[0]["status"], received) == (413, 1)
+            assert (b"connection", b"close") not in sent[0]["headers"]  # read to its end
 
 
 async def leave_mid_body(app: Any, path: str) -> list[dict[str, Any]]:

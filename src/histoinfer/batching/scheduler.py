@@ -258,7 +258,9 @@ class BatchScheduler(Generic[T, R]):
         self._runner: asyncio.Task[None] | None = None
         self._finished: anyio.Event | None = None
         self._handoff: _Handoff[T, R] | None = None  # the last batch, callers not yet woken
-        self._holding: list[_Pending[T, R]] = []  # the batch being collected or run
+        # Every item queued and not yet returned to its caller: an interrupted runner fails
+        # these, wherever it had them (between the stream and its batch included).
+        self._waiting: set[_Pending[T, R]] = set()
         # Seconds the batch function has run, on its thread (one call at a time: the runner
         # awaits each); a batch's share is read after it, bisected halves included.
         self._last_pass_s = 0.0  # the latest batch function call's duration, on its thread
@@ -387,10 +389,11 @@ class BatchScheduler(Generic[T, R]):
         try:
             self._send.send_nowait(pending)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            if self._closing:
+            if self._closing or self._loop is not None:
                 raise ClientClosedError(f"{self.name}: {self._closed_why}") from None
             self._ensure_runner()  # its runner was interrupted while this caller waited
             self._send.send_nowait(pending)
+        self._waiting.add(pending)
         self._queued += 1
         self._count(self.stats.queue_changed, +1)
         try:
@@ -413,6 +416,8 @@ class BatchScheduler(Generic[T, R]):
             elif self._leave_dispatched(pending, started_ok=True):
                 self._count(self.stats.record_cancelled)
             raise
+        finally:
+            self._waiting.discard(pending)
         if pending.error is not None:
             if reservation is not None:
                 reservation.refused = pending.refused
@@ -508,7 +513,6 @@ class BatchScheduler(Generic[T, R]):
     async def _step(self) -> bool:
         """Collect and dispatch one batch; False once the stream has ended."""
         batch: list[_Pending[T, R]] = []
-        self._holding = batch  # cancelled or interrupted, _shutdown fails what it holds
         try:
             more = await self._collect(batch)
             await self._dispatch(batch)
@@ -535,19 +539,16 @@ class BatchScheduler(Generic[T, R]):
             )
         self._closing = self._closing or not restart
         self._send.close()
-        held, self._holding = self._holding, []
-        while True:
-            try:
-                held.append(self._receive.receive_nowait())
-            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
-                break
-        self._fail(held, make_error)
         self._receive.close()
         self._runner = None
+        if restart:
+            # First: a second interrupt landing while the callers below are failed must still
+            # leave a scheduler the next call restarts.
+            self._loop = None  # _ensure_runner makes new streams and a runner
         if self._finished is not None:
             self._finished.set()
+        self._fail(list(self._waiting), make_error)  # the stream's, the batch's, any between
         if restart:
-            self._loop = None  # _ensure_runner makes new streams and a runner
             return
         if self._on_exit is not None:
             try:

@@ -373,6 +373,7 @@ def _run_uvicorn(app: Any, state: ServerState, args: argparse.Namespace) -> None
     class Server(uvicorn.Server):
         draining: asyncio.TimerHandle | None = None
         stopped_by: int | None = None
+        failed = False
 
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             self.stopped_by = sig
@@ -424,12 +425,15 @@ def _run_uvicorn(app: Any, state: ServerState, args: argparse.Namespace) -> None
 
     def stop() -> None:
         server.should_exit = True
+        server.failed = True  # a model failed: its exit status, not a later signal's
 
     state.on_fatal = stop
     server.run()
     # uvicorn re-raises the stop signal once it has stopped, which ends the process as that
     # signal does. One inherited ignored (SIGINT, by a background job of a script) ends it
     # nowhere: the process went on to exit 0, as if nothing had stopped it (a user trial).
+    if server.failed:
+        return
     if server.stopped_by == signal.SIGINT:
         raise KeyboardInterrupt
     if server.stopped_by == signal.SIGTERM:
