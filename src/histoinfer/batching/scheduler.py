@@ -530,14 +530,15 @@ class BatchScheduler(Generic[T, R]):
         self._wake_finished()
         restart = interrupted is not None and not self._closing
         make_error: Callable[[], BaseException] = self._closed_error
-        if interrupted is not None and restart:
-            make_error = partial(self._interrupted_error, interrupted)
-        elif not self._closing:  # nobody closed it: its loop is ending
-            self._closed_why = (
-                "the event loop it served has ended (a BatchScheduler serves one loop; "
-                "histoinfer.batching.PerLoop gives one per loop)"
-            )
-        self._closing = self._closing or not restart
+        if restart:
+            make_error = partial(self._interrupted_error, type(interrupted).__name__)
+        else:
+            if not self._closing:  # nobody closed it: its loop is ending
+                self._closed_why = (
+                    "the event loop it served has ended (a BatchScheduler serves one loop; "
+                    "histoinfer.batching.PerLoop gives one per loop)"
+                )
+            self._closing = True
         self._send.close()
         self._receive.close()
         self._runner = None
@@ -559,9 +560,9 @@ class BatchScheduler(Generic[T, R]):
     def _closed_error(self) -> InferenceError:
         return ClientClosedError(f"{self.name}: the event loop or scheduler shut down")
 
-    def _interrupted_error(self, interrupted: BaseException) -> InferenceError:
+    def _interrupted_error(self, by: str) -> InferenceError:
         return InferenceError(
-            f"{self.name}: {type(interrupted).__name__} interrupted the scheduler before this "
+            f"{self.name}: {by} interrupted the scheduler before this "
             "request was answered; the scheduler goes on serving: send it again"
         )
 

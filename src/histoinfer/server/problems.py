@@ -172,7 +172,7 @@ def leave_body_unread(request: Request) -> None:
     request.state.body_unread = True
 
 
-def _closing(request: Request, response: Response) -> Response:
+def _closing_if_unread(request: Request, response: Response) -> Response:
     if getattr(request.state, "body_unread", False):
         response.headers["Connection"] = "close"
     return response
@@ -292,7 +292,7 @@ def install_problem_handlers(app: FastAPI, retry_after: int) -> None:
         assert isinstance(exc, InferenceError)
         response = error_response(exc, retry_after)
         log_answer(request, exc, response, throttle)
-        return _closing(request, response)
+        return _closing_if_unread(request, response)
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
@@ -309,7 +309,7 @@ def install_problem_handlers(app: FastAPI, retry_after: int) -> None:
             allowed = _allowed_methods(request)
             if allowed:
                 response.headers["Allow"] = ", ".join(sorted(allowed))
-        return _closing(request, response)
+        return _closing_if_unread(request, response)
 
     async def validation_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
