@@ -304,6 +304,29 @@ def test_a_request_built_in_python_takes_numpy_numbers() -> None:
             ModelRequest(**{**fields, "x": 3, "y": 4, "patch_idx": 5, **bad})
 
 
+def test_reprs_elide_long_fields_but_keep_the_values() -> None:
+    output = [i / 8 for i in range(307)]
+    response = ModelResponse(
+        output=output,
+        embedding=[0.5] * 192,
+        slide_name="S1",
+        **{k: 1 for k in ("x", "y", "width", "height", "patch_idx")},
+    )
+    shown = repr(response)
+    assert "[0.0, 0.125, 0.25, ... 307 floats]" in shown
+    assert "[0.5, 0.5, 0.5, ... 192 floats]" in shown
+    assert len(shown) < 400 and "slide_name='S1'" in shown
+    assert response.output == output and str(response).startswith("output=[0.0, 0.125")
+    short = response.model_copy(update={"output": [1.0, 2.0], "embedding": None})
+    assert "output=[1.0, 2.0]" in repr(short) and "embedding=None" in repr(short)
+
+    request = ModelRequest.model_validate_json(make_body(7))
+    shown = repr(request)
+    assert f"({len(request.image_data):,} chars)" in shown
+    assert repr(request.image_data[:24]) in shown and len(shown) < 400
+    assert "patch_idx=7" in shown
+
+
 def test_metadata_round_trips(tiny_model: Any) -> None:
     metadata = tiny_model.metadata()
     assert isinstance(metadata, ModelMetadata)
