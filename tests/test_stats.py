@@ -53,6 +53,18 @@ def test_histograms_count_every_wait_and_pass_in_its_bucket() -> None:
     assert sum(snap.forward_buckets) == snap.batches and sum(snap.queue_wait_buckets) == 4
 
 
+def test_a_snapshot_reads_short_and_keeps_its_figures() -> None:
+    stats = BatchStats()
+    stats.record_batch(3, [0.0002, 0.001, 0.0123456789], 0.0301234567)
+    snap = stats.snapshot()
+    shown = repr(snap)
+    assert shown.startswith("StatsSnapshot(batches=1, samples=3, mean_batch_size=3.0,")
+    assert "forward_ms={'p50': 30.123, 'p95': 30.123, 'p99': 30.123}" in shown
+    assert f"queue_wait_buckets=<3 in {len(DURATION_BOUNDS) + 1} buckets>" in shown
+    assert "forward_busy_s=0.03," in shown
+    assert len(shown) < 500 and snap.forward_ms["p50"] == pytest.approx(30.1234567)
+
+
 def test_errors_cancellations_queue_depth_and_reset() -> None:
     stats = BatchStats()
     stats.record_error("ValueError")

@@ -10,7 +10,7 @@ import threading
 from bisect import bisect_left
 from collections import Counter, deque
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 __all__ = ["DURATION_BOUNDS", "BatchStats", "StatsSnapshot"]
@@ -61,6 +61,23 @@ class StatsSnapshot:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def __repr__(self) -> str:
+        # Short enough to read in a notebook: times to the microsecond, and the histograms'
+        # buckets (every sample since the start, for Prometheus) as their count.
+        shown = []
+        for spec in fields(self):
+            value = getattr(self, spec.name)
+            if spec.name.endswith("_buckets"):
+                text = f"<{sum(value)} in {len(value)} buckets>"
+            elif isinstance(value, float):
+                text = repr(round(value, 3))
+            elif spec.name.endswith("_ms"):
+                text = repr({key: round(ms, 3) for key, ms in value.items()})
+            else:
+                text = repr(value)
+            shown.append(f"{spec.name}={text}")
+        return f"StatsSnapshot({', '.join(shown)})"
 
 
 class BatchStats:
