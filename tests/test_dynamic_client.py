@@ -10,6 +10,7 @@ import contextlib
 import gc
 import io
 import json
+import logging
 import math
 import random
 import threading
@@ -38,6 +39,7 @@ from helpers import make_body, outputs_close, request_dict
 from PIL import Image
 
 from histoinfer.batching import BatchScheduler
+from histoinfer.batching import scheduler as scheduler_module
 from histoinfer.clients.inprocess import InProcessClient
 from histoinfer.errors import (
     ClientClosedError,
@@ -600,11 +602,15 @@ async def test_a_body_goes_to_an_idle_decode_thread_not_behind_a_busy_one(
 
 
 async def test_overload_reject_mode_answers_overloaded_instead_of_waiting(
-    tiny_model: ServerModel, caplog: pytest.LogCaptureFixture
+    tiny_model: ServerModel, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(scheduler_module, "_WARNED_QUEUE_BOUNDS", set())
     model, watch, gate = gated_model(tiny_model)
     results: dict[int, Any] = {}
-    client = InProcessClient(model, max_batch_size=4, max_queue=2, overload="reject")
+    with caplog.at_level(logging.WARNING, logger="histoinfer.batching"):
+        client = InProcessClient(model, max_batch_size=4, max_queue=2, overload="reject")
+    # Said when the client is made (a server's start-up), not at its first call.
+    assert caplog.text.count("max_queue=2 is below max_batch_size=4") == 1
     try:
         with anyio.fail_after(30):
             async with anyio.create_task_group() as tg:
@@ -618,7 +624,7 @@ async def test_overload_reject_mode_answers_overloaded_instead_of_waiting(
     finally:
         gate.set()
         await client.aclose()
-    assert "max_queue=2 is below max_batch_size=4" in caplog.text
+    assert caplog.text.count("max_queue=2 is below max_batch_size=4") == 1  # not again
     want = expected(tiny_model, [0, 3])
     assert outputs_close(results[0], want[0]) and outputs_close(results[3], want[1])
 

@@ -23,6 +23,7 @@ import pytest
 from concurrency_helpers import HeldBatchFn, spawn_submit, wait_until
 
 from histoinfer.batching import BatchScheduler, BatchStats
+from histoinfer.batching import scheduler as scheduler_module
 from histoinfer.errors import (
     ClientClosedError,
     DeadlineExceededError,
@@ -563,12 +564,14 @@ async def test_backpressure_callers_wait_for_room(caplog: pytest.LogCaptureFixtu
     assert 9 not in fn.seen()
 
 
-def test_a_queue_bound_below_the_batch_size_is_warned_about(
-    caplog: pytest.LogCaptureFixture,
+def test_a_queue_bound_below_the_batch_size_is_warned_about_once(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(scheduler_module, "_WARNED_QUEUE_BOUNDS", set())
     with caplog.at_level(logging.WARNING, logger="histoinfer.batching"):
         BatchScheduler(list, max_batch_size=32, max_queue=8, name="tiny-queue")
-    assert "tiny-queue" in caplog.text and "max_queue=8" in caplog.text
+        BatchScheduler(list, max_batch_size=32, max_queue=8, name="tiny-queue")
+    assert "tiny-queue" in caplog.text and caplog.text.count("max_queue=8") == 1
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="histoinfer.batching"):
         BatchScheduler(list, max_batch_size=8, max_queue=8)

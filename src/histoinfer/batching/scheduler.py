@@ -62,9 +62,36 @@ from .admission import Admission, deadline_exceeded, deadline_from
 from .perloop import call_soon_in_loop, current_loop_key, wait_future
 from .stats import BatchStats
 
-__all__ = ["BatchScheduler", "Reservation", "deadline_exceeded", "deadline_from"]
+__all__ = [
+    "BatchScheduler",
+    "Reservation",
+    "deadline_exceeded",
+    "deadline_from",
+    "warn_if_batches_cannot_fill",
+]
 
 log = logging.getLogger("histoinfer.batching")
+
+#: the (max_queue, max_batch_size) pairs already warned about: a client makes a scheduler per
+#: loop and mode, and warns when it is made, so a pair is said once a process, not each time
+_WARNED_QUEUE_BOUNDS: set[tuple[int, int]] = set()
+
+
+def warn_if_batches_cannot_fill(name: str, max_queue: int | None, max_batch_size: int) -> None:
+    """Warn, once a process for these settings, that ``max_queue`` caps every batch below
+    ``max_batch_size`` (Ray Serve #43288: an admission cap below the batch size)."""
+    if max_queue is None or max_queue >= max_batch_size:
+        return
+    if (max_queue, max_batch_size) in _WARNED_QUEUE_BOUNDS:
+        return
+    _WARNED_QUEUE_BOUNDS.add((max_queue, max_batch_size))
+    log.warning(
+        "%s: max_queue=%d is below max_batch_size=%d; batches can never fill",
+        name,
+        max_queue,
+        max_batch_size,
+    )
+
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -222,14 +249,7 @@ class BatchScheduler(Generic[T, R]):
         check_count("max_batch_size", max_batch_size)  # 2.5 was taken
         check_seconds("max_wait_ms", max_wait_ms, zero_ok=True)
         check_count("max_queue", max_queue, none_ok=True)
-        if max_queue is not None and max_queue < max_batch_size:
-            # Ray Serve #43288: an admission cap below the batch size caps every batch.
-            log.warning(
-                "%s: max_queue=%d is below max_batch_size=%d; batches can never fill",
-                name,
-                max_queue,
-                max_batch_size,
-            )
+        warn_if_batches_cannot_fill(name, max_queue, max_batch_size)
         self.batch_fn = batch_fn
         self.max_batch_size = max_batch_size
         self.max_wait = max_wait_ms / 1000.0

@@ -63,6 +63,7 @@ from ..batching import (
     wait_future,
 )
 from ..batching.admission import Admission, deadline_exceeded, deadline_from
+from ..batching.scheduler import warn_if_batches_cannot_fill
 from ..errors import (
     ClientClosedError,
     DeadlineExceededError,
@@ -566,6 +567,8 @@ class InProcessClient(ClosingContext):
         self._batch_decoder: ThreadPoolExecutor | None = None
         self._wait_for_room = _waits(overload)
         self._model_name = name or server_model.metadata().name
+        if self.dynamic_batching:  # said now, not at the first call (a server's start-up)
+            warn_if_batches_cannot_fill(self._model_name, max_queue, max_batch_size)
         # Every forward pass on the device's one thread, one at a time across every loop, thread
         # and client (SPEC §5), and one OpenMP team (models/device_thread.py).
         self._device_thread = device_thread(server_model.device)
