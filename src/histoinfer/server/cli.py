@@ -34,6 +34,7 @@ from ..models.assets import ASSETS_FILE
 from ..models.base import assets_folder
 from ..models.checkpoint import CheckpointError, in_the_folder, resolve_device
 from ..models.registry import UnknownModelError, model_class
+from .access import AccessLog
 from .app import ClientSource, ServerState, create_app
 from .metrics import UNKNOWN
 
@@ -321,10 +322,11 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
+    served = AccessLog(app) if args.access_log else app  # the servers' own access logs off
     if args.server == "uvicorn":
-        _run_uvicorn(app, state, args)
+        _run_uvicorn(served, state, args)
     else:
-        _run_hypercorn(app, state, args)
+        _run_hypercorn(served, state, args)
     failed = {name: m.error for name, m in state.models.items() if m.status == "failed"}
     for name, error in failed.items():
         print(f"histoinfer: error: model {name!r} failed to load: {error}", file=sys.stderr)
@@ -415,7 +417,7 @@ def _run_uvicorn(app: Any, state: ServerState, args: argparse.Namespace) -> None
         lifespan="on",
         log_level=args.log_level,
         log_config=_uvicorn_log_config(),
-        access_log=args.access_log,
+        access_log=False,
         # Annotated int, but uvicorn only waits them out (call_later, wait_for), which take any
         # number of seconds: as given, not rounded up to whole seconds as they were.
         timeout_graceful_shutdown=args.graceful_timeout,  # type: ignore[arg-type]
@@ -494,7 +496,7 @@ def _run_hypercorn(app: Any, state: ServerState, args: argparse.Namespace) -> No
     config.bind = [_authority(args.host, args.port)]
     config.graceful_timeout = args.graceful_timeout
     config.keep_alive_timeout = args.keep_alive_timeout
-    config.accesslog = "-" if args.access_log else None
+    config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")  # one handler: the root's
     config.loglevel = args.log_level.upper()
     logging.getLogger("hypercorn.error").setLevel(args.log_level.upper())
