@@ -345,6 +345,75 @@ def test_serve_gives_uvicorn_its_timeouts_as_they_are(
     assert configs[5].app.state.histoinfer.max_held_bytes == 16 * 128 * 2**20
 
 
+def serve_options(words: list[str]) -> argparse.Namespace:
+    from histoinfer.cli import _configure_plugin, build_parser
+
+    parser = build_parser()
+    assert _configure_plugin(parser, ["serve", *words]) is None
+    return parser.parse_args(["serve", *words])
+
+
+def test_serve_takes_its_options_from_the_environment_the_command_line_first(
+    tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import uvicorn
+
+    for name, value in {
+        "HISTOINFER_MODEL": "h1, h1-again=h1",
+        "HISTOINFER_CHECKPOINT": f"{tiny_checkpoint},{tiny_checkpoint}",
+        "HISTOINFER_MAX_QUEUE": "77",
+        "HISTOINFER_MAX_WAIT_MS": "2.5",
+        "HISTOINFER_NO_WARMUP": "true",
+        "HISTOINFER_ACCESS_LOG": "0",
+        "HISTOINFER_SERVER": "hypercorn",
+        "HISTOINFER_MAX_BATCH_CALLS": "3",
+    }.items():
+        monkeypatch.setenv(name, value)
+    args = serve_options([])
+    assert args.model == ["h1", "h1-again=h1"] and args.checkpoint == [tiny_checkpoint] * 2
+    assert (args.max_queue, args.max_wait_ms, args.server) == (77, 2.5, "hypercorn")
+    assert args.no_warmup is True and args.access_log is False
+    assert args.port == 8080  # no variable: the option's own default
+    # Given on the command line, an option's value replaces the variable's (a repeated one's
+    # values too: not added to the variable's).
+    args = serve_options(["--model", "other=h1", "--checkpoint", "x.pt2", "--max-queue", "5"])
+    assert args.model == ["other=h1"] and args.checkpoint == [Path("x.pt2")]
+    assert args.max_queue == 5 and args.server == "hypercorn"
+    # The whole command, from the environment alone.
+    configs: list[uvicorn.Config] = []
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, *_: configs.append(self.config))
+    monkeypatch.setenv("HISTOINFER_SERVER", "uvicorn")
+    monkeypatch.setenv("HISTOINFER_PORT", "0")
+    assert main(["serve"]) == 0
+    state = configs[0].app.state.histoinfer
+    assert sorted(state.models) == ["h1", "h1-again"] and state.max_batch_calls == 3
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "says"),
+    [
+        ("HISTOINFER_MAX_QUEUE", "0", "must be at least 1"),
+        ("HISTOINFER_MAX_WAIT_MS", "soon", "is not a number"),
+        ("HISTOINFER_BACKEND", "curio", "must be one of asyncio, trio"),
+        ("HISTOINFER_NO_WARMUP", "maybe", "a flag takes 1, true"),
+        ("HISTOINFER_MODEL", "h1,,h2", "an empty value"),
+    ],
+)
+def test_serve_refuses_a_bad_variable_naming_it(
+    name: str,
+    value: str,
+    says: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--model", "h1", "--checkpoint", "x.pt2"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{name}={value!r}" in err and says in err
+
+
 def test_serve_refuses_less_room_for_bodies_than_one_body_takes(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -36,6 +36,7 @@ from ..models.checkpoint import CheckpointError, in_the_folder, resolve_device
 from ..models.registry import UnknownModelError, model_class
 from .access import AccessLog
 from .app import ClientSource, ServerState, create_app
+from .environment import defaults_from_environment
 from .metrics import UNKNOWN
 
 __all__ = ["configure", "run"]
@@ -178,6 +179,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         choices=["debug", "info", "warning", "error"],
         help="the server's log level (default: %(default)s)",
     )
+    parser.epilog = (
+        "Every option may be set in the environment instead: HISTOINFER_MAX_QUEUE=256 for "
+        "--max-queue 256 (repeatable ones comma-separated, flags 1 or 0); the command line wins."
+    )
+    defaults_from_environment(parser)
 
 
 # Option types: a bad value is refused by argparse with a usage line, never accepted and then
