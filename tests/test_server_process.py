@@ -169,6 +169,35 @@ def test_sigint_inherited_ignored_still_ends_the_server_as_interrupted(tiny_chec
         assert "histoinfer: interrupted" in server.output()
 
 
+@pytest.mark.parametrize("server_args", [["--server", "uvicorn"], ["--server", "hypercorn"]])
+def test_json_logs_are_one_object_a_line_access_lines_with_their_fields(
+    tiny_checkpoint, server_args
+):
+    args = ["--model", "h1", "--checkpoint", str(tiny_checkpoint), *server_args]
+    with serve([*args, "--log-format", "json", "--access-log"]) as server:
+        answer = httpx.post(
+            server.base_url + "/api/predict/h1",
+            content=make_body(0),
+            headers={"X-Request-ID": "json-1"},
+            timeout=30,
+        )
+        assert answer.status_code == 200, answer.text
+        server.terminate()
+        server.proc.wait(timeout=60)
+        entries = [json.loads(line) for line in server.output().splitlines() if line.strip()]
+    assert all({"time", "level", "logger", "message"} <= set(entry) for entry in entries)
+    loggers = {entry["logger"] for entry in entries}
+    assert {"histoinfer.server", "histoinfer.untrained", "histoinfer.access"} <= loggers
+    assert any(entry["message"].startswith("serving h1 on http://") for entry in entries)
+    [access] = [e for e in entries if e["logger"] == "histoinfer.access" and e["method"] == "POST"]
+    assert (access["path"], access["status"], access["request_id"]) == (
+        "/api/predict/h1",
+        200,
+        "json-1",
+    )
+    assert access["bytes"] == len(answer.content) and access["duration_ms"] > 0
+
+
 def post_in_thread(url: str, body: str) -> tuple[threading.Thread, dict[str, Any]]:
     """POST ``body`` from a thread; its response (or error) lands in the dict."""
     outcome: dict[str, Any] = {}

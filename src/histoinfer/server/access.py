@@ -59,16 +59,31 @@ class AccessLog:
             await self.app(scope, receive, watch)
         finally:
             if log.isEnabledFor(logging.INFO):
+                client, target = _client(scope), _target(scope)
+                version = scope.get("http_version", "1.1")
+                elapsed_ms = (time.perf_counter() - start) * 1000.0
+                named = None if request_id is None else request_id.decode("latin-1")
                 log.info(
                     '%s "%s %s HTTP/%s" %s %s %.1f ms%s',
-                    _client(scope),
+                    client,
                     scope["method"],
-                    _target(scope),
-                    scope.get("http_version", "1.1"),
+                    target,
+                    version,
                     status or "-",  # nothing answered: the connection ended first
                     _size(sent),
-                    (time.perf_counter() - start) * 1000.0,
-                    "" if request_id is None else f" id={request_id.decode('latin-1')}",
+                    elapsed_ms,
+                    "" if named is None else f" id={named}",
+                    # the same as fields, for --log-format json
+                    extra={
+                        "client": client,
+                        "method": scope["method"],
+                        "path": target,
+                        "http_version": version,
+                        "status": status or None,
+                        "bytes": sent,
+                        "duration_ms": round(elapsed_ms, 3),
+                        "request_id": named,
+                    },
                 )
 
 

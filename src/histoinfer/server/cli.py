@@ -37,6 +37,7 @@ from ..models.registry import UnknownModelError, model_class
 from .access import AccessLog
 from .app import ClientSource, ServerState, create_app
 from .environment import defaults_from_environment
+from .logs import formatter_for, uvicorn_log_config
 from .metrics import UNKNOWN
 
 __all__ = ["configure", "run"]
@@ -179,6 +180,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         choices=["debug", "info", "warning", "error"],
         help="the server's log level (default: %(default)s)",
     )
+    add(
+        "--log-format",
+        default="text",
+        choices=["text", "json"],
+        help="timestamped text lines, or one JSON object a line for a log pipeline "
+        "(default: %(default)s)",
+    )
     parser.epilog = (
         "Every option may be set in the environment instead: HISTOINFER_MAX_QUEUE=256 for "
         "--max-queue 256 (repeatable ones comma-separated, flags 1 or 0); the command line wins."
@@ -305,7 +313,7 @@ def run(args: argparse.Namespace) -> int:
     sources = model_sources(args)
     _check_bindable(args.host, args.port)
     logging.getLogger("histoinfer").setLevel(args.log_level.upper())
-    _timestamped_log()
+    _format_log(args.log_format)
     app = create_app(
         sources,
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
@@ -322,12 +330,14 @@ def run(args: argparse.Namespace) -> int:
     names = ", ".join(state.models)
     # Port 0: the server picks a free one, and its own log line names it.
     where = f"http://{_authority(args.host, args.port)}" if args.port else "a free port"
-    print(
-        f"histoinfer: serving {names} on {where} "
-        f"({args.server}, {args.backend}); ready at /health/ready once loaded",
-        file=sys.stderr,
-        flush=True,
+    serving = (
+        f"serving {names} on {where} ({args.server}, {args.backend}); ready at /health/ready "
+        "once loaded"
     )
+    if args.log_format == "json":  # every line of the stream an object
+        log.info(serving)
+    else:
+        print(f"histoinfer: {serving}", file=sys.stderr, flush=True)
     served = AccessLog(app) if args.access_log else app  # the servers' own access logs off
     if args.server == "uvicorn":
         _run_uvicorn(served, state, args)
@@ -348,27 +358,12 @@ def freeze_startup_heap() -> None:
     log.info("start-up heap frozen: %d objects out of the collector's scans", gc.get_freeze_count())
 
 
-#: A service's log lines say when (the CLI's other commands' need not): histoinfer's own and
-#: hypercorn's through the root handler, uvicorn's through its own configuration.
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-
-
-def _timestamped_log() -> None:
+def _format_log(log_format: str) -> None:
     for handler in logging.getLogger().handlers:
         if type(handler) is logging.StreamHandler:  # the CLI's (basicConfig), no one else's
-            handler.setFormatter(logging.Formatter(LOG_FORMAT))
-
-
-def _uvicorn_log_config() -> dict[str, Any]:
-    """uvicorn's own logging configuration, its lines timestamped like histoinfer's."""
-    import copy
-
-    from uvicorn.config import LOGGING_CONFIG
-
-    config: dict[str, Any] = copy.deepcopy(LOGGING_CONFIG)
-    for formatter in config["formatters"].values():
-        formatter["fmt"] = "%(asctime)s " + formatter["fmt"]
-    return config
+            handler.setFormatter(formatter_for(log_format))
+    if log_format == "json":  # a Python warning, too, as an object (logger py.warnings)
+        logging.captureWarnings(True)
 
 
 def _authority(host: str, port: int) -> str:
@@ -422,7 +417,7 @@ def _run_uvicorn(app: Any, state: ServerState, args: argparse.Namespace) -> None
         port=args.port,
         lifespan="on",
         log_level=args.log_level,
-        log_config=_uvicorn_log_config(),
+        log_config=uvicorn_log_config(args.log_format),
         access_log=False,
         # Annotated int, but uvicorn only waits them out (call_later, wait_for), which take any
         # number of seconds: as given, not rounded up to whole seconds as they were.

@@ -1,0 +1,65 @@
+"""The server's log lines: timestamped text, or one JSON object a line (``--log-format json``).
+
+Text for a person at a terminal; JSON for a log pipeline (Loki, Elasticsearch, CloudWatch),
+which otherwise has to parse the text back. histoinfer's lines, hypercorn's (through the root
+handler) and uvicorn's (through its own configuration) all get the same format.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from datetime import UTC, datetime
+from typing import Any
+
+__all__ = ["TEXT_FORMAT", "JsonFormatter", "formatter_for", "uvicorn_log_config"]
+
+#: A service's log lines say when (the CLI's other commands' need not).
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+# What every LogRecord has: anything else on a record was given as ``extra=`` (the access
+# log's fields) and goes into the JSON object as it is.
+_RECORD_FIELDS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
+    "message",
+    "asctime",
+    "color_message",  # uvicorn's copy of the message, with terminal colours
+}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object a record: ``time`` (UTC, ISO 8601 to the millisecond), ``level``,
+    ``logger``, ``message``, any ``extra=`` fields, and ``exception`` (the traceback) if any."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for key, value in vars(record).items():
+            if key not in _RECORD_FIELDS and key not in entry:
+                entry[key] = value
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        elif record.exc_text:
+            entry["exception"] = record.exc_text
+        return json.dumps(entry, default=str, ensure_ascii=False)
+
+
+def formatter_for(log_format: str) -> logging.Formatter:
+    return JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT)
+
+
+def uvicorn_log_config(log_format: str) -> dict[str, Any]:
+    """uvicorn's own logging configuration, its lines in ``log_format`` like histoinfer's."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    config: dict[str, Any] = copy.deepcopy(LOGGING_CONFIG)
+    for name, formatter in config["formatters"].items():
+        if log_format == "json":
+            config["formatters"][name] = {"()": f"{__name__}.JsonFormatter"}
+        else:
+            formatter["fmt"] = "%(asctime)s " + formatter["fmt"]
+    return config
