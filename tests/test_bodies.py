@@ -265,6 +265,7 @@ def test_an_array_like_gets_a_hint():
         ({"background": (256, 0, 0)}, ValueError, "background must be"),
         ({"background": (1.0, 0, 0)}, ValueError, "background must be"),
         ({"background": 255}, ValueError, "got 255"),
+        ({"image_format": "jpeg"}, ValueError, "image_format must be 'png' or 'tiff', got 'jpeg'"),
     ],
 )
 def test_refused_fields_are_named(overrides: dict[str, Any], error: type[Exception], match: str):
@@ -310,3 +311,19 @@ def test_numpy_and_pil_tiles_get_the_same_prediction(tiny_model: ServerModel):
     assert json.loads(expected)["output"] == pytest.approx(output, abs=1e-5)
     # and not what the model sees when alpha is dropped (black outside the slide)
     assert json.loads(black)["output"] != pytest.approx(output, abs=1e-3)
+
+
+@pytest.mark.timeout(120)
+def test_a_tiff_body_holds_the_same_pixels_and_gets_the_same_answer(tiny_model: ServerModel):
+    rgba = pixels(11, (224, 224, 4))
+    png, tiff = (tile_body(rgba, **FIELDS, image_format=kind) for kind in ("png", "tiff"))
+    request = parse_request(tiff)
+    image = Image.open(io.BytesIO(base64.b64decode(request.image_data, validate=True)))
+    assert (image.format, image.mode, image.size) == ("TIFF", "RGB", (224, 224))
+    assert np.array_equal(np.asarray(image), decoded(png)[1])  # composited alike
+    assert request.model_dump(exclude={"image_data"}) == decoded(png)[0].model_dump(
+        exclude={"image_data"}
+    )
+    with InProcessClient(tiny_model, dynamic_batching=False) as client:
+        from_png, from_tiff = client.predict_batch([png, tiff])
+    assert from_png == from_tiff

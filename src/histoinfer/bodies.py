@@ -13,7 +13,7 @@ import json
 import math
 import numbers
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from PIL import Image
@@ -41,12 +41,13 @@ def tile_body(
     tile: Image.Image | np.ndarray[Any, Any],
     *,
     slide_name: str,
-    x: int,
-    y: int,
-    patch_idx: int,
-    tissue_ratio: float | None = None,
-    resolution: float | None = None,
+    x: int | np.integer[Any],
+    y: int | np.integer[Any],
+    patch_idx: int | np.integer[Any],
+    tissue_ratio: float | np.floating[Any] | None = None,
+    resolution: float | np.floating[Any] | None = None,
     background: Sequence[int] = (255, 255, 255),
+    image_format: Literal["png", "tiff"] = "png",
 ) -> str:
     """One tile as a request body (a JSON string), ready for any client's ``predict*`` call.
 
@@ -69,7 +70,15 @@ def tile_body(
     ``x``, ``y`` (level-0 pixel coordinates of the tile's top-left corner) and ``patch_idx``
     are integers >= 0 (numpy integers are accepted); ``tissue_ratio`` in [0, 1] and
     ``resolution`` (µm/px) > 0 are optional metadata, echoed in the response.
+
+    ``image_format="tiff"`` sends the pixels as an uncompressed TIFF instead of a PNG: the
+    same answer, made ~5x faster or more (a 224-px tile: ~0.2-1.3 ms against ~6-7 ms for
+    the PNG, which on a 2-core machine can cost more than the inference) and decoded faster,
+    but 1.1-1.7x larger. For ``InProcessClient``, where the body never crosses a network;
+    over HTTP, the PNG's smaller body usually pays.
     """
+    if image_format not in ("png", "tiff"):
+        raise ValueError(f"image_format must be 'png' or 'tiff', got {image_format!r}")
     if not isinstance(slide_name, str):
         raise TypeError(f"slide_name must be a str, got {type(slide_name).__name__}")
     fields: dict[str, Any] = {
@@ -90,10 +99,13 @@ def tile_body(
         fields["resolution"] = res
     rgb = _rgb_pixels(tile, _background(background))
     height, width = rgb.shape[:2]
-    png = io.BytesIO()
-    Image.fromarray(rgb).save(png, format="PNG", compress_level=PNG_COMPRESS_LEVEL)
+    encoded = io.BytesIO()
+    if image_format == "png":
+        Image.fromarray(rgb).save(encoded, format="PNG", compress_level=PNG_COMPRESS_LEVEL)
+    else:
+        Image.fromarray(rgb).save(encoded, format="TIFF")
     body = {
-        "image_data": base64.b64encode(png.getbuffer()).decode("ascii"),
+        "image_data": base64.b64encode(encoded.getbuffer()).decode("ascii"),
         "width": width,
         "height": height,
         **fields,
