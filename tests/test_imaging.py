@@ -6,6 +6,7 @@ import base64
 import dataclasses
 import io
 import re
+import struct
 import sys
 import threading
 import warnings
@@ -448,6 +449,48 @@ def test_a_jpeg_of_too_many_scans_is_refused_before_decoding() -> None:
     bomb = _progressive_jpeg(imaging.MAX_JPEG_SCANS)
     with pytest.raises(InvalidRequestError, match=r"a JPEG of over 100 scans"):
         decode(bomb, size=64)
+
+
+def test_a_jpeg_header_that_would_cost_seconds_is_refused_before_pillow_reads_it() -> None:
+    """Pillow's JPEG header parser is Python, a step per segment or stray byte: a trial's 7.5 M
+    empty comments cost 11 s, 30 MB of bytes after a comment 3 s, and of fill bytes 19 s, each
+    within every size limit, before anything was refused."""
+    baseline = encode_jpeg(Image.new("RGB", (64, 64), (200, 120, 160)))
+    comments = b"\xff\xfe\x00\x02" * 500  # 500 empty COM segments: odd, but cheap
+    assert decode(baseline[:2] + comments + baseline[2:], size=64, tile=64).shape == (3, 64, 64)
+    costly = {
+        "a JPEG of over 1,000 segments": b"\xff\xfe\x00\x02" * 1001,
+        "over 65,536 bytes between its segments": b"\xff\xfe\x00\x02" + b"\x00" * 70_000,
+        "over 65,536 bytes between": b"\xff" * 70_000,  # fill bytes, stepped over alike
+    }
+    for says, inserted in costly.items():
+        with pytest.raises(InvalidRequestError, match=says):
+            decode(baseline[:2] + inserted + baseline[2:], size=64, max_image_bytes=1 << 21)
+
+
+def _tiff_of_strips(height: int) -> bytes:
+    """A 1 x ``height`` gray uncompressed TIFF, one strip a row (one byte each)."""
+    entries = [(256, 4, 1, 1), (257, 4, 1, height), (258, 3, 1, 8), (259, 3, 1, 1)]
+    entries += [(262, 3, 1, 1), (273, 4, height, 0), (278, 4, 1, 1), (279, 4, height, 0)]
+    offsets_at = 8 + 2 + 12 * len(entries) + 4
+    counts_at = offsets_at + 4 * height
+    pixels_at = counts_at + 4 * height
+    ifd = struct.pack("<H", len(entries))
+    for tag, kind, count, value in entries:
+        value = {273: offsets_at, 279: counts_at}.get(tag, value)
+        ifd += struct.pack("<HHII", tag, kind, count, value)
+    offsets = struct.pack(f"<{height}I", *range(pixels_at, pixels_at + height))
+    counts = struct.pack(f"<{height}I", *([1] * height))
+    gray = bytes(i % 256 for i in range(height))
+    return b"II*\x00" + struct.pack("<I", 8) + ifd + b"\0" * 4 + offsets + counts + gray
+
+
+def test_a_tiff_of_too_many_strips_is_refused_before_pillow_sets_them_up() -> None:
+    """2 M one-row strips of a 1-pixel wide TIFF (10.7 MB) cost a trial's server 20 s a request."""
+    within = _tiff_of_strips(imaging.MAX_TIFF_STRIPS)
+    assert decode(within, width=1, height=imaging.MAX_TIFF_STRIPS).shape == (3, 32, 32)
+    with pytest.raises(InvalidRequestError, match=r"a TIFF of 8,193 strips \(at most 8,192"):
+        decode(_tiff_of_strips(imaging.MAX_TIFF_STRIPS + 1), width=1, height=8193)
 
 
 def test_an_mpo_of_too_many_scans_is_refused_as_a_jpeg() -> None:

@@ -23,7 +23,7 @@ from ..errors import InvalidRequestError
 from . import png
 from .faults import base64_fault, missing_tiff_codec, unsupported_reason
 
-__all__ = ["ACCEPTED_FORMATS", "decode_tile"]
+__all__ = ["ACCEPTED_FORMATS", "MAX_JPEG_SCANS", "MAX_TIFF_STRIPS", "decode_tile"]
 
 ACCEPTED_FORMATS = frozenset({"PNG", "JPEG", "TIFF"})
 #: Most scans a JPEG's image may have. Each scan is a pass over the whole image: a small
@@ -136,28 +136,47 @@ def _to_tensor(pixels: torch.Tensor, tile_size: int) -> torch.Tensor:
     return pixels.view(tile_size, tile_size, 3).permute(2, 0, 1)
 
 
-#: Marker segments a JPEG's header may have at most (encoders write ~10-40): the walk in
-#: :func:`_jpeg_scans` is Python, one step a segment.
+#: Marker segments a JPEG may have at most (encoders write ~10-40, and a progressive JPEG a few
+#: more a scan): Pillow's header parser handles each in Python (7.5 M empty comments: ~11 s).
 _MAX_JPEG_SEGMENTS = 1000
+#: Bytes a JPEG may have between its segments, where a marker should be: Pillow's parser steps
+#: over them one at a time in Python (30 MB of them: ~3 s).
+_MAX_JPEG_JUNK = 64 * 1024
 # The next marker in entropy-coded data: 0xFF not followed by a stuffed 0x00 or a restart.
 _NEXT_MARKER = re.compile(rb"\xff(?![\x00\xd0-\xd7])")
+_FILL = re.compile(rb"\xff+")  # fill bytes before a marker
 
 
-def _jpeg_scans(raw: bytes) -> int:
-    """The scans of the first image of a JPEG (up to its EOI), counted before any pixel is
-    decoded; stops counting past :data:`MAX_JPEG_SCANS`. Segments are skipped by their lengths
-    (so a thumbnail in APP1 is not counted), entropy-coded data by a C search for the next
-    marker (so trailing data, an MPO's other frames or a motion photo's video, is not either).
-    Anything malformed ends the count: the decoder refuses it."""
-    position, scans = 2, 0  # after SOI
+def _jpeg_fault(raw: bytes) -> str | None:
+    """Why a JPEG (or MPO) would cost seconds to decode within every size limit, found before
+    Pillow parses it: too many scans (each a pass over the whole image), segments, or bytes
+    between segments. The first image is walked (up to its EOI): segments are skipped by their
+    lengths (so a thumbnail in APP1 is not counted), entropy-coded data and fill bytes by a C
+    search (so trailing data, an MPO's other frames or a motion photo's video, is not either).
+    Anything else malformed ends the walk: the decoder refuses it."""
+    position, scans, junk = 2, 0, 0  # after SOI
     for _ in range(_MAX_JPEG_SEGMENTS):
-        while raw[position : position + 2] == b"\xff\xff":  # fill bytes before a marker
-            position += 1
-        if len(raw) < position + 4 or raw[position] != 0xFF:
-            return scans
+        fill = _FILL.match(raw, position)
+        if fill is not None and fill.end() - position > 1:
+            junk += fill.end() - 1 - position  # stepped over one at a time, as junk is
+            position = fill.end() - 1
+        if junk > _MAX_JPEG_JUNK:
+            return (
+                f"a damaged JPEG (over {_MAX_JPEG_JUNK:,} bytes between its segments, "
+                "where markers belong)"
+            )
+        if len(raw) < position + 4:
+            return None
+        if raw[position] != 0xFF:
+            found = raw.find(b"\xff", position)
+            junk += (len(raw) if found < 0 else found) - position
+            if found < 0 and junk <= _MAX_JPEG_JUNK:
+                return None
+            position = len(raw) if found < 0 else found
+            continue
         marker = raw[position + 1]
         if marker == 0xD9:  # EOI
-            return scans
+            return None
         if 0xD0 <= marker <= 0xD7 or marker == 0x01:  # no length
             position += 2
             continue
@@ -165,12 +184,60 @@ def _jpeg_scans(raw: bytes) -> int:
         if marker == 0xDA:  # SOS: its header, then entropy-coded data up to the next marker
             scans += 1
             if scans > MAX_JPEG_SCANS:
-                return scans
-            found = _NEXT_MARKER.search(raw, position)
-            if found is None:
-                return scans
-            position = found.start()
-    return MAX_JPEG_SCANS + 1  # thousands of segments: no encoder writes that
+                return (
+                    f"a JPEG of over {MAX_JPEG_SCANS} scans (re-encode it as baseline or "
+                    "standard progressive)"
+                )
+            found_marker = _NEXT_MARKER.search(raw, position)
+            if found_marker is None:
+                return None
+            position = found_marker.start()
+    return f"a JPEG of over {_MAX_JPEG_SEGMENTS:,} segments (encoders write a few dozen)"
+
+
+#: Strips (or tiles) a TIFF may have: Pillow sets up each in Python (~10 us each), and a 1-pixel
+#: wide image of 2 M rows, one strip a row, is 2 M of them within every size limit (~20 s).
+#: libtiff's default strips of ~8 KB make 6,144 for the largest image taken (4096 x 4096 RGB).
+MAX_TIFF_STRIPS = 8192
+#: Tags a TIFF's first directory may have (a file has ~10-40; Pillow reads each in Python).
+_MAX_TIFF_TAGS = 1024
+_TIFF_OFFSETS = {273: "strips", 324: "tiles"}  # StripOffsets, TileOffsets
+
+
+def _tiff_fault(raw: bytes) -> str | None:
+    """Why a TIFF would cost seconds to set up within every size limit, read from its first
+    directory before Pillow parses it: too many tags, strips or tiles. Anything malformed is
+    left to Pillow, which refuses it."""
+    order = {b"II": "<", b"MM": ">"}.get(raw[:2])
+    if order is None:
+        return None
+    try:
+        (magic,) = struct.unpack_from(order + "H", raw, 2)
+        if magic == 42:  # classic: 2-byte tag count, 12-byte entries with 4-byte counts
+            (offset,) = struct.unpack_from(order + "I", raw, 4)
+            (tags,) = struct.unpack_from(order + "H", raw, offset)
+            entry, layout, first = 12, order + "HHI", offset + 2
+        elif magic == 43:  # BigTIFF: 8-byte tag count, 20-byte entries with 8-byte counts
+            (offset,) = struct.unpack_from(order + "Q", raw, 8)
+            (tags,) = struct.unpack_from(order + "Q", raw, offset)
+            entry, layout, first = 20, order + "HHQ", offset + 8
+        else:
+            return None
+        if offset < 8 or first + tags * entry > len(raw):
+            return None  # a directory not where it says, or not all there: Pillow refuses it
+        if tags > _MAX_TIFF_TAGS:
+            return f"a TIFF of {tags:,} tags in its first directory (at most {_MAX_TIFF_TAGS:,})"
+        for index in range(tags):
+            tag, _, count = struct.unpack_from(layout, raw, first + index * entry)
+            if tag in _TIFF_OFFSETS and count > MAX_TIFF_STRIPS:
+                kind = _TIFF_OFFSETS[tag]
+                return (
+                    f"a TIFF of {count:,} {kind} (at most {MAX_TIFF_STRIPS:,}: save it with "
+                    f"fewer, larger {kind})"
+                )
+    except struct.error:  # truncated: Pillow says so
+        return None
+    return None
 
 
 def _resized(rgb: Image.Image, tile_size: int, interpolation: str) -> torch.Tensor:
@@ -233,6 +300,11 @@ def decode_tile(
             if (header.width, header.height) == (tile_size, tile_size):
                 return _to_tensor(torch.from_numpy(array), tile_size)
             return _resized(Image.fromarray(array), tile_size, interpolation)
+    # Before Pillow parses the header, which is where these cost seconds. JPEG and MPO alike;
+    # JPEG-compressed TIFF strips need no scan count: libtiff refuses a strip of over 100 itself.
+    costly = _jpeg_fault(raw) if raw[:3] == b"\xff\xd8\xff" else _tiff_fault(raw)
+    if costly is not None:
+        raise invalid(costly)
     try:
         image = _open(raw)
     except _Unsupported as exc:
@@ -257,15 +329,6 @@ def decode_tile(
             raise invalid(
                 f"a palette {image.format} without its PLTE chunk (the palette is missing)"
             )
-        # JPEG, MPO (a JpegImageFile too) alike. JPEG-compressed TIFF strips need no check:
-        # libtiff refuses a strip of over 100 scans itself.
-        if isinstance(image, JpegImagePlugin.JpegImageFile):
-            scans = _jpeg_scans(raw)
-            if scans > MAX_JPEG_SCANS:
-                raise invalid(
-                    f"a JPEG of over {MAX_JPEG_SCANS} scans, or of thousands of segments "
-                    "(re-encode it as baseline or standard progressive)"
-                )
         lacking = missing_tiff_codec(image)  # before libtiff tries, and writes to stderr
         if lacking:
             raise invalid(f"a TIFF image {lacking}")
