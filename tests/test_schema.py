@@ -235,10 +235,22 @@ def test_a_long_body_of_more_values_than_a_request_holds_is_refused_unparsed(
         parse_request(text.encode() if as_bytes else text, 7)
     commas = text.count(",")
     assert str(info.value) == (
-        f"invalid request at batch position 7: body has {commas:,} commas: a request has its "
-        f"fields and at most {MAX_BULK_RNA:,} bulk_rna values (a list or an object this long "
-        "is not a request)"
+        f"invalid request at batch position 7: body has {commas:,} commas: a request has a few "
+        f"between its fields and at most {MAX_BULK_RNA:,} in its bulk_rna (a list or an object "
+        "this long is not a request, nor a slide name this long a name)"
     )
+
+
+def test_a_body_is_screened_by_its_utf8_length_whatever_its_type() -> None:
+    """A str in-process and its bytes over HTTP: a name of 350,000 "é," was parsed as a str
+    (901,389 characters) and refused as bytes (1,251,389): a fuzzing trial."""
+    text = json.dumps({**SMALL, "slide_name": "é," * 350_000}, ensure_ascii=False)
+    assert len(text) < 2**20 <= len(text.encode())
+    for sent in (text, text.encode()):
+        with pytest.raises(InvalidRequestError, match="body has 350,0"):
+            parse_request(sent)
+    short = json.dumps({**SMALL, "slide_name": "é," * 1000}, ensure_ascii=False)  # parsed
+    assert parse_request(short).slide_name == "é," * 1000
 
 
 @pytest.mark.parametrize("field", ["x", "y", "patch_idx", "width"])

@@ -51,7 +51,9 @@ from ..models.device_thread import device_thread
 from ..schema import (
     FOREIGN_KEY,
     INVOCATION_MODES,
+    MAX_BULK_RNA,
     MODES,
+    OTHER_COMMAS,
     SCREENED_FROM,
     ForeignBody,
     InvocationEnvelope,
@@ -637,24 +639,29 @@ _CONTAINERS_A_REQUEST = 4
 _QUOTES_A_REQUEST = 48
 
 
-def _screen_batch(raw: bytes, limit: int) -> None:
-    """A long ``/batch`` body holding more JSON objects, arrays or strings than ``limit``
-    requests can, refused before it is parsed: pydantic takes ~27 times such a body and holds
-    the GIL meanwhile (64 MiB of ``[{},{},...]``: 1.7 GB and 3 s, every other request
-    stalled). Counted at ~0.1 ms a MB a character; numbers are not (a float takes ~8 times
-    its text, and ``bulk_rna`` may hold 100,000 of them a request)."""
+def _screen_batch(raw: bytes, limit: int, bulk_rna: bool) -> None:
+    """A long ``/batch`` body holding more JSON objects, arrays, strings or values than
+    ``limit`` requests can, refused before it is parsed: pydantic takes ~27 times such a body
+    and holds the GIL meanwhile (64 MiB of ``[{},{},...]``: 1.7 GB and 3 s; 60 MB of
+    ``[0,0,...]``: 1-3 s, every other request stalled). Counted at ~0.1 ms a MB a character.
+    Values by their commas, so a model that takes ``bulk_rna`` (100,000 numbers a request)
+    bounds them only loosely."""
     if len(raw) < SCREENED_FROM:  # parsing less is cheap, whatever it holds
         return
     containers = byte_count(raw, "{", "[")
     quotes = byte_count(raw, '"')
+    commas = byte_count(raw, ",")
     most_containers = limit * _CONTAINERS_A_REQUEST + 1
     most_quotes = limit * _QUOTES_A_REQUEST
-    if containers > most_containers or quotes > most_quotes:
+    # a request's fields' separators, its bulk_rna values', and the one after it in the list
+    most_commas = limit * (OTHER_COMMAS + (MAX_BULK_RNA if bulk_rna else 0) + 1)
+    if containers > most_containers or quotes > most_quotes or commas > most_commas:
         raise PayloadTooLargeError(
-            f"invalid batch: its body holds {containers:,} JSON objects and arrays and "
-            f"{quotes:,} quotes, strings included; a batch of at most {limit} requests "
-            f"(histoinfer serve --max-batch-requests) holds at most {most_containers:,} and "
-            f"{most_quotes:,}: send fewer requests, or only the fields a request has"
+            f"invalid batch: its body holds {containers:,} JSON objects and arrays, "
+            f"{quotes:,} quotes and {commas:,} commas, strings included; a batch of at most "
+            f"{limit} requests (histoinfer serve --max-batch-requests) holds at most "
+            f"{most_containers:,}, {most_quotes:,} and {most_commas:,}: send fewer requests, "
+            "or only the fields a request has"
         )
 
 
@@ -1034,7 +1041,8 @@ def create_app(
             # Parsed here, not on the event loop: a 60 MB batch's list and its bodies
             # written back to JSON held the loop (every other request) for 50-240 ms.
             if state.max_batch_requests is not None:
-                _screen_batch(raw, state.max_batch_requests)  # counted: no lock needed
+                bulk_rna = client.server_model.assets.accepts_bulk_rna
+                _screen_batch(raw, state.max_batch_requests, bulk_rna)  # no lock needed
             with state.batch_parse_lock:
                 anyio.from_thread.check_cancelled()  # hung up while it waited its turn
                 bodies = _batch_bodies(raw, verbatim, state.max_batch_requests)
