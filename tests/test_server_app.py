@@ -121,6 +121,23 @@ async def test_a_batch_of_a_read_only_view_is_no_route(tiny_model):
             assert p["detail"] == f"no route for POST /api/{view}/h1/batch"
 
 
+async def test_an_encoded_slash_reaches_no_route(tiny_model):
+    """Starlette routes the decoded path: ``/api/predict/h1%2Fbatch`` was served by the batch
+    route, which a gateway's rule on the raw path never saw (a fuzzing trial)."""
+    async with serving(create_app(fresh_client(tiny_model))) as http:
+        batch = [json.loads(make_body(0))]
+        for path in ("/api/predict/h1%2Fbatch", "/api%2fpredict%2Fh1%2Fbatch", "/ping%2F"):
+            r = await http.post(path, json=batch)
+            p = assert_problem(r, 404)
+            assert p["detail"].startswith(f"no route for POST {path}: an encoded slash (%2F)")
+            assert r.headers["connection"] == "close"
+        ok = await http.post("/api/predict/h1/batch", json=batch)  # the route itself: served
+        assert ok.status_code == 200 and len(ok.json()) == 1
+        families = text_string_to_metric_families((await http.get("/metrics")).text)
+        answers = next(f for f in families if f.name == "histoinfer_http_responses")
+        assert sum(s.value for s in answers.samples if s.labels.get("status") == "404") == 3
+
+
 async def test_a_compressed_body_is_415_naming_the_encoding(tiny_model):
     """Regression: a gzip body was "not valid JSON (expected value at line 1 column 1)"."""
     async with serving(create_app(fresh_client(tiny_model))) as http:

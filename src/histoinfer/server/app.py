@@ -78,6 +78,7 @@ from .problems import (
     UnknownModelError,
     install_problem_handlers,
     leave_body_unread,
+    problem_response,
 )
 
 __all__ = [
@@ -909,6 +910,7 @@ def create_app(
     )
     app.state.histoinfer = state
     install_problem_handlers(app, retry_after)
+    app.add_middleware(_EncodedSlashRefusal)  # innermost: counted and given its request ID
     app.add_middleware(_CountingMiddleware, counters=state.http)
     app.add_middleware(RequestIdMiddleware)
 
@@ -1135,4 +1137,29 @@ class _CountingMiddleware:
         self._app = counters.middleware(app)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self._app(scope, receive, send)
+
+
+class _EncodedSlashRefusal:
+    """A path with an encoded slash (``%2F``) is a 404: Starlette routes the decoded path, so
+    ``/api/predict/h1%2Fbatch`` reached the ``/batch`` route, which a gateway's rule on the raw
+    path (``*/batch`` blocked or rate-limited) never saw (a fuzzing trial). No route or name
+    here holds a slash, so nothing valid is refused. (Apache answers such paths 404 alike.)"""
+
+    def __init__(self, app: Any) -> None:
+        self._app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        raw = scope.get("raw_path") if scope["type"] == "http" else None
+        if raw and (b"%2F" in raw or b"%2f" in raw):
+            path = raw.decode("latin-1")
+            response = problem_response(
+                404,
+                "Not Found",
+                f"no route for {scope['method']} {path}: an encoded slash (%2F) is neither a "
+                "separator nor part of a name here",
+            )
+            response.headers["Connection"] = "close"  # its body is left unread
+            await response(scope, receive, send)
+            return
         await self._app(scope, receive, send)
