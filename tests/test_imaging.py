@@ -127,7 +127,19 @@ def bad_cases() -> list[tuple[str, str, dict[str, Any], list[str]]]:
             "BMP",
             base64.b64encode(encode(Image.new("RGB", (32, 32)), "BMP")).decode(),
             {},
-            ["BMP"],
+            ["(a BMP image)"],
+        ),
+        (
+            "ICO",
+            base64.b64encode(encode(Image.new("RGB", (32, 32)), "ICO")).decode(),
+            {},
+            ["(an ICO image)"],  # was "a ICO"
+        ),
+        (
+            "PNG of a bit depth PNG has not",
+            base64.b64encode(png[:24] + b"\x07" + png[25:]).decode(),  # IHDR depth 8 -> 7
+            {},
+            ["a PNG image of bit depth 7 for colour type 2 (PNG allows 8, 16)"],
         ),
         ("truncated PNG", base64.b64encode(png[: len(png) // 2]).decode(), {}, ["truncated"]),
         (

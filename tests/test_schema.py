@@ -241,6 +241,19 @@ def test_a_long_body_of_more_values_than_a_request_holds_is_refused_unparsed(
     )
 
 
+def test_json_the_parser_words_tersely_is_explained() -> None:
+    """A fuzzing trial: "unexpected end of hex escape" named neither the field nor the cause."""
+    cases = {
+        '{"slide_name": "\\ud800"}': "escape without its pair, which is no character",
+        '{"slide_name": "\\ud800\\ud800"}': "escape without its pair",
+        '{"x": ' + "9" * 4301 + "}": "a number too long to read",
+    }
+    for text, says in cases.items():
+        with pytest.raises(InvalidRequestError, match="body is not valid JSON") as info:
+            parse_request(text)
+        assert says in str(info.value), str(info.value)
+
+
 def test_a_body_is_screened_by_its_utf8_length_whatever_its_type() -> None:
     """A str in-process and its bytes over HTTP: a name of 350,000 "é," was parsed as a str
     (901,389 characters) and refused as bytes (1,251,389): a fuzzing trial."""

@@ -5,8 +5,16 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from pathlib import Path
+from typing import Any
 
-from histoinfer.server.logs import JsonFormatter, formatter_for, uvicorn_log_config
+from histoinfer.server.logs import (
+    JsonFormatter,
+    ThrottledInvalidRequests,
+    formatter_for,
+    uvicorn_log_config,
+)
+from histoinfer.server.problems import LogThrottle
 
 
 def record(message: str, *args: object, **extra: object) -> logging.LogRecord:
@@ -43,3 +51,32 @@ def test_text_stays_timestamped_and_uvicorn_follows_the_format() -> None:
         assert formatter == {"()": "histoinfer.server.logs.JsonFormatter"}
     for formatter in uvicorn_log_config("text")["formatters"].values():
         assert formatter["fmt"].startswith("%(asctime)s ")
+
+
+def test_uvicorn_s_invalid_request_warning_is_throttled_saying_what_it_left_out() -> None:
+    now = [0.0]
+    keep = ThrottledInvalidRequests(LogThrottle(every=60.0, clock=lambda: now[0])).filter
+
+    def invalid() -> logging.LogRecord:
+        return record("Invalid HTTP request received.")
+
+    assert keep(invalid()) and not keep(invalid()) and not keep(invalid())
+    assert keep(record("another warning"))  # other lines pass untouched
+    now[0] = 61.0
+    third = invalid()
+    assert keep(third)
+    assert third.getMessage() == (
+        "Invalid HTTP request received. (2 more like it since the last such line, 61 s ago)"
+    )
+
+
+def test_serve_installs_the_throttle_once(tiny_checkpoint: Path, monkeypatch: Any) -> None:
+    import uvicorn
+
+    from histoinfer.cli import main
+
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, *_: None)
+    args = ["serve", "--model", "h1", "--checkpoint", str(tiny_checkpoint), "--port", "0"]
+    assert main(args) == 0 and main(args) == 0
+    installed = logging.getLogger("uvicorn.error").filters
+    assert sum(isinstance(f, ThrottledInvalidRequests) for f in installed) == 1

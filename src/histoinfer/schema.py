@@ -41,6 +41,7 @@ __all__ = [
     "ModelMetadata",
     "ModelRequest",
     "ModelResponse",
+    "json_hint",
     "parse_request",
 ]
 
@@ -321,7 +322,7 @@ def _describe(err: Any) -> str:
     loc = _quoted(".".join(str(p) for p in err["loc"]) or "body")
     kind = err["type"]
     if kind == "json_invalid":
-        return f"body is not valid JSON ({err['msg']})"
+        return f"body is not valid JSON ({err['msg']}){json_hint(err['msg'])}"
     if kind == "extra_forbidden":
         return f"unknown field {loc}"
     if kind == "missing":
@@ -334,6 +335,18 @@ def _describe(err: Any) -> str:
     if len(shown) > _QUOTED:
         shown = shown[: _QUOTED - 3] + "..."
     return f"field {loc}: {err['msg']} (got {shown})"
+
+
+def json_hint(message: str) -> str:
+    """What a JSON parser's terse message means, where it says too little (a fuzzing trial)."""
+    if "hex escape" in message:  # "unexpected end of", "lone leading surrogate in"
+        return (
+            ": a \\uD800-\\uDFFF escape without its pair, which is no character (Python's "
+            "json.dumps writes one for a str holding half a surrogate pair)"
+        )
+    if "number out of range" in message:
+        return ": a number too long to read (an integer field takes at most 2**53 - 1)"
+    return ""
 
 
 def _quoted(name: str) -> str:

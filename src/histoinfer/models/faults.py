@@ -98,6 +98,8 @@ def unsupported_reason(format_name: str, raw: bytes, exc: Exception) -> str:
     """Why Pillow could not open ``raw``, when the reason is a pixel format or a compression it
     does not support (the image being otherwise well-formed); "" when it is damaged."""
     said = str(exc)
+    if format_name == "PNG":  # Pillow says only "not identified by this driver"
+        return _png_pixels(raw)
     if format_name == "JPEG" and said.startswith(_JPEG_UNSUPPORTED_PIXELS):
         return f"in a pixel format that is not supported ({said}; use 8-bit RGB)"
     # A bare number is the key of a KeyError Pillow met: an unknown compression, among others.
@@ -119,6 +121,24 @@ def unsupported_reason(format_name: str, raw: bytes, exc: Exception) -> str:
         return (
             f"in a pixel format that is not supported ({said}{_tiff_pixels(tags)}; use 8-bit RGB)"
         )
+    return ""
+
+
+#: the bit depths PNG allows for each colour type (PNG spec, table 11.1)
+_PNG_DEPTHS = {0: (1, 2, 4, 8, 16), 2: (8, 16), 3: (1, 2, 4, 8), 4: (8, 16), 6: (8, 16)}
+
+
+def _png_pixels(raw: bytes) -> str:
+    """A PNG's IHDR bit depth and colour type, named when PNG allows no such pair."""
+    depth, colour = raw[24:25], raw[25:26]
+    if not depth or not colour:
+        return ""
+    allowed = _PNG_DEPTHS.get(colour[0])
+    if allowed is None:
+        return f"of colour type {colour[0]}, which PNG does not have (0, 2, 3, 4 or 6)"
+    if depth[0] not in allowed:
+        shown = ", ".join(map(str, allowed))
+        return f"of bit depth {depth[0]} for colour type {colour[0]} (PNG allows {shown})"
     return ""
 
 

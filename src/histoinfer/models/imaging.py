@@ -313,7 +313,8 @@ def decode_tile(
         raise invalid(f"{exc} (it cannot be read)") from None
     except UnidentifiedImageError:
         other = _unaccepted_format(raw)
-        sent = f"a {other} image" if other else "an unrecognized format"
+        article = "an" if other[:1] in ("A", "E", "I", "O", "U") else "a"
+        sent = f"{article} {other} image" if other else "an unrecognized format"
         raise invalid(f"not a PNG, JPEG or TIFF image ({sent})") from None
     except Exception as exc:
         raise invalid(

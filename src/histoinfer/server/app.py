@@ -65,6 +65,7 @@ from ..schema import (
     ModelRequest,
     ModelResponse,
     byte_count,
+    json_hint,
     parse_model,
 )
 from .metrics import UNKNOWN, HttpCounters, StatsCollector, render_metrics
@@ -682,7 +683,9 @@ def _batch_bodies(raw: bytes, verbatim: bool, limit: int | None = None) -> Any:
     try:
         items = pydantic_core.from_json(raw, allow_inf_nan=False)
     except ValueError as exc:
-        raise InvalidRequestError(f"invalid batch: body is not valid JSON ({exc})") from None
+        raise InvalidRequestError(
+            f"invalid batch: body is not valid JSON ({exc}){json_hint(str(exc))}"
+        ) from None
     if not isinstance(items, list):
         if verbatim:
             return items

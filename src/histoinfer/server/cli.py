@@ -37,7 +37,7 @@ from ..models.registry import UnknownModelError, model_class
 from .access import AccessLog
 from .app import ClientSource, ServerState, create_app
 from .environment import defaults_from_environment
-from .logs import formatter_for, uvicorn_log_config
+from .logs import ThrottledInvalidRequests, formatter_for, uvicorn_log_config
 from .metrics import UNKNOWN
 
 __all__ = ["configure", "run"]
@@ -425,6 +425,10 @@ def _run_uvicorn(app: Any, state: ServerState, args: argparse.Namespace) -> None
         timeout_keep_alive=args.keep_alive_timeout,  # type: ignore[arg-type]
     )
     server = Server(config)
+    uvicorn_log = logging.getLogger("uvicorn.error")  # configured by Config just now
+    for old in [f for f in uvicorn_log.filters if isinstance(f, ThrottledInvalidRequests)]:
+        uvicorn_log.removeFilter(old)  # a second serve in this process (tests)
+    uvicorn_log.addFilter(ThrottledInvalidRequests())
 
     def stop() -> None:
         server.should_exit = True

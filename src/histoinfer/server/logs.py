@@ -13,7 +13,15 @@ import logging
 from datetime import UTC, datetime
 from typing import Any
 
-__all__ = ["TEXT_FORMAT", "JsonFormatter", "formatter_for", "uvicorn_log_config"]
+from .problems import LogThrottle, since
+
+__all__ = [
+    "TEXT_FORMAT",
+    "JsonFormatter",
+    "ThrottledInvalidRequests",
+    "formatter_for",
+    "uvicorn_log_config",
+]
 
 #: A service's log lines say when (the CLI's other commands' need not).
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -63,3 +71,24 @@ def uvicorn_log_config(log_format: str) -> dict[str, Any]:
         else:
             formatter["fmt"] = "%(asctime)s " + formatter["fmt"]
     return config
+
+
+class ThrottledInvalidRequests(logging.Filter):
+    """uvicorn's "Invalid HTTP request received." (a warning for every malformed request, which
+    anyone can send by the thousand: a fuzzing trial filled the log) at most once a minute,
+    saying how many it left out."""
+
+    MESSAGE = "Invalid HTTP request received."
+
+    def __init__(self, throttle: LogThrottle | None = None) -> None:
+        super().__init__()
+        self._throttle = throttle if throttle is not None else LogThrottle()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != self.MESSAGE:
+            return True
+        due = self._throttle.due(self.MESSAGE)
+        if due is None:
+            return False
+        record.msg = self.MESSAGE + since(*due)
+        return True

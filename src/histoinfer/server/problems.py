@@ -217,7 +217,7 @@ class LogThrottle:
         return self._left_out.pop(key, 0), (now - last if last is not None else 0.0)
 
 
-def _since(left_out: int, seconds: float) -> str:
+def since(left_out: int, seconds: float) -> str:
     # Since that line, not "in the last minute": a quiet spell makes it longer (a user trial
     # read 1,102 refusals "in the last 60 s" that had come over 134).
     if not left_out:
@@ -267,7 +267,7 @@ def log_answer(
         status,
         logged_request_id(request, response),
         exc,
-        _since(left_out, seconds),
+        since(left_out, seconds),
         exc_info=exc if trace else None,
     )
 
