@@ -839,3 +839,17 @@ def test_valid_base64_still_decodes_with_either_decoder(
     monkeypatch.setattr(imaging, "_b64decode", decoder)
     raw = tile_bytes(11, size=32)
     assert np.array_equal(decode(base64.b64encode(raw).decode()).numpy(), pixels(raw))
+
+
+def test_a_tile_that_is_not_square_is_stretched_and_said_so_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A slide's edge tile, cut short, was resized to a square with no word (a user trial)."""
+    monkeypatch.setattr(imaging, "_stretched_said", False)
+    edge = encode(Image.new("RGB", (32, 16), (200, 120, 160)))
+    with caplog.at_level("WARNING", logger="histoinfer.tiles"):
+        for _ in range(2):
+            assert decode(edge, width=32, height=16).shape == (3, 32, 32)
+        assert decode(encode(Image.new("RGB", (32, 32))), size=32).shape == (3, 32, 32)
+    [said] = [r.getMessage() for r in caplog.records if r.name == "histoinfer.tiles"]
+    assert said.startswith("a 32x16 tile (patch_idx=4 (slide 's', x=0, y=0)) is resized to 32x32")

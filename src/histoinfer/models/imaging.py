@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import binascii
 import io
+import logging
 import re
 import struct
 from collections.abc import Callable
@@ -24,6 +25,9 @@ from . import png
 from .faults import base64_fault, missing_tiff_codec, unsupported_reason
 
 __all__ = ["ACCEPTED_FORMATS", "MAX_JPEG_SCANS", "MAX_TIFF_STRIPS", "decode_tile"]
+
+log = logging.getLogger("histoinfer.tiles")
+_stretched_said = False
 
 ACCEPTED_FORMATS = frozenset({"PNG", "JPEG", "TIFF"})
 #: Most scans a JPEG's image may have. Each scan is a pass over the whole image: a small
@@ -286,6 +290,8 @@ def decode_tile(
                 f"invalid request {where}: fields 'width'/'height' say {width}x{height} "
                 f"but the decoded image is {image_width}x{image_height}"
             )
+        if image_width != image_height:
+            _say_stretched(image_width, image_height, tile_size, where)
 
     header = png.read_header(raw)
     if header is not None:
@@ -345,6 +351,25 @@ def decode_tile(
             raise invalid(
                 f"image cannot be converted to RGB ({type(exc).__name__}: {exc})"
             ) from None
+
+
+def _say_stretched(width: int, height: int, tile_size: int, where: str) -> None:
+    """Once a process: a tile that is not square is stretched to the model's square tile (its
+    answer is computed, as documented, but its tissue is distorted: a slide's edge tiles, cut
+    short, are the usual case, and a trial found nothing said so)."""
+    global _stretched_said
+    if _stretched_said:
+        return
+    _stretched_said = True
+    log.warning(
+        "a %dx%d tile (%s) is resized to %dx%d, which stretches it; pad a slide's edge tiles "
+        "to square, or leave them out (said once a process)",
+        width,
+        height,
+        where.removeprefix("for "),
+        tile_size,
+        tile_size,
+    )
 
 
 def _rgb(image: Image.Image) -> Image.Image:
