@@ -389,6 +389,24 @@ def test_serve_takes_its_options_from_the_environment_the_command_line_first(
     assert sorted(state.models) == ["h1", "h1-again"] and state.max_batch_calls == 3
 
 
+def test_a_variable_is_read_only_where_the_command_line_leaves_its_option(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A review: a bad variable stopped a command that set the option itself, and Kubernetes
+    sets HISTOINFER_PORT=tcp://... in every pod of a namespace with a Service so named."""
+    monkeypatch.setenv("HISTOINFER_MAX_QUEUE", "0")  # bad, but the command line's is used
+    monkeypatch.setenv("HISTOINFER_PORT", "tcp://10.96.0.12:8080")  # a service link: ignored
+    monkeypatch.setenv("HISTOINFER_HOST", "")  # empty: unset, as a compose file leaves it
+    monkeypatch.setenv("HISTOINFER_LOG_LEVEL", "WARNING")  # as containers spell it
+    args = serve_options(["--model", "h1", "--checkpoint", "x.pt2", "--max-queue", "9"])
+    assert (args.max_queue, args.port, args.host, args.log_level) == (
+        9,
+        8080,
+        "127.0.0.1",
+        "warning",
+    )
+
+
 @pytest.mark.parametrize(
     ("name", "value", "says"),
     [

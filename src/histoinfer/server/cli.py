@@ -63,9 +63,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add("--checkpoint", action="append", type=Path, required=True, help="the .pt2, per --model")
     add("--assets", action="append", type=Path, help="assets dir per --model (default: beside it)")
     add_import_option(parser)
-    add("--device", default="cpu", help="torch device (default: cpu); one process per GPU")
-    add("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    add("--port", type=_port, default=8080, help="port to bind (default: 8080)")
+    add("--device", default="cpu", help="torch device (default: %(default)s); one process per GPU")
+    add("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    add("--port", type=_port, default=8080, help="port to bind (default: %(default)s)")
     add(
         "--server",
         choices=["uvicorn", "hypercorn"],
@@ -88,7 +88,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--max-wait-ms",
         type=_at_least_zero,
         default=5.0,
-        help="the longest, in ms, a queued tile waits for others to batch with (default: 5)",
+        help="the longest, in ms, a queued tile waits for others to batch with (default: "
+        "%(default)s)",
     )
     add(
         "--max-queue",
@@ -102,7 +103,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=_body_mb,
         default=64.0,
         help="the largest request body, in MiB (at least 0.001: 1 KiB); larger bodies get 413 "
-        "(default: 64)",
+        "(default: %(default)s)",
     )
     add(
         "--max-bodies-mb",
@@ -137,7 +138,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=_at_least_zero,
         default=60.0,
         help="seconds a request's body may go with none of it arriving before 408; 0: no limit "
-        "(default: 60)",
+        "(default: %(default)s)",
     )
     add(
         "--retry-after",
@@ -150,21 +151,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=_at_least_zero,
         default=30.0,
         help="seconds in-flight requests get at shutdown; just before they run out, those "
-        "still in flight are answered 503 'closed' (default: 30)",
+        "still in flight are answered 503 'closed' (default: %(default)s)",
     )
     add(
         "--drain-delay",
         type=_at_least_zero,
         default=0.0,
         help="seconds between SIGTERM and draining, with readiness failing and requests still "
-        "served, while load balancers move away (Kubernetes: a few seconds; default: 0)",
+        "served, while load balancers move away (Kubernetes: a few seconds; default: "
+        "%(default)s)",
     )
     add(
         "--keep-alive-timeout",
         type=_at_least_zero,
         default=5.0,
         help="seconds an idle kept-alive connection stays open; make it longer than a load "
-        "balancer's idle timeout in front (default: 5)",
+        "balancer's idle timeout in front (default: %(default)s)",
     )
     add("--no-warmup", action="store_true", help="report ready without a warm-up pass")
     add(
@@ -177,6 +179,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add(
         "--log-level",
         default="info",
+        type=str.lower,  # INFO, as containers often spell it
         choices=["debug", "info", "warning", "error"],
         help="the server's log level (default: %(default)s)",
     )

@@ -2,17 +2,21 @@
 
 A container is configured through its environment as often as through its command. Each
 long option ``--some-option`` takes its default from ``HISTOINFER_SOME_OPTION``; the command
-line still wins. A value is checked as the option's own is, and refused naming the variable.
+line still wins. A value is checked as the option's own is, and refused naming the variable,
+but only where it is used: an option given on the command line leaves its variable unread.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 __all__ = ["PREFIX", "defaults_from_environment", "variable_for"]
+
+log = logging.getLogger("histoinfer.server")
 
 PREFIX = "HISTOINFER_"
 
@@ -20,7 +24,11 @@ PREFIX = "HISTOINFER_"
 _SKIPPED = {"--help", "--debug"}
 
 _TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
+_FALSE = {"0", "false", "no", "off"}
+
+#: what Kubernetes writes into ``<SERVICE>_PORT`` for every Service in the namespace (a
+#: Service named ``histoinfer`` sets ``HISTOINFER_PORT=tcp://10.96.0.12:8080`` in every pod)
+_SERVICE_LINKS = ("tcp://", "udp://", "sctp://")
 
 
 def variable_for(option: str) -> str:
@@ -31,12 +39,13 @@ def variable_for(option: str) -> str:
 def defaults_from_environment(
     parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None
 ) -> None:
-    """Set each long option's default from its variable, where it is set.
+    """Set each long option's default from its variable, where it is set and not empty.
 
-    A repeatable option (``--model``, ``--checkpoint``, ``--assets``, ``--import``) takes
-    several values separated by commas, and given on the command line too, the command line's
-    replace the variable's (they would otherwise be added to them). A flag takes 1, true, yes
-    or on (and 0, false, no, off or nothing for unset).
+    A value is kept as text and converted by argparse only if the option is not given on the
+    command line (a bad one then refused naming its variable). A repeatable option
+    (``--model``, ``--checkpoint``, ``--assets``, ``--import``) takes several values separated
+    by commas, and given on the command line, its values replace the variable's (they would
+    otherwise be added to them). A flag takes 1, true, yes or on (0, false, no or off: unset).
     """
     environ = os.environ if environ is None else environ
     for action in parser._actions:
@@ -44,39 +53,63 @@ def defaults_from_environment(
         if long is None or long in _SKIPPED:
             continue
         name = variable_for(long)
-        text = environ.get(name)
-        if text is None:
+        text = environ.get(name, "").strip()
+        if not text:  # unset, or set empty (a compose file's way of leaving it out)
             continue
-        try:
-            action.default = _value(action, text.strip())
-        except (argparse.ArgumentTypeError, ValueError, TypeError) as exc:
-            parser.error(f"{name}={text!r}: {exc}")
-        if isinstance(action, argparse._AppendAction):
+        if long == "--port" and text.startswith(_SERVICE_LINKS):
+            log.debug("%s=%r is a Kubernetes service link, not a port: ignored", name, text)
+            continue
+        if isinstance(action, argparse._StoreTrueAction):
+            action.default = _flag(parser, name, text)
+        elif isinstance(action, argparse._AppendAction):
+            action.default = _listed(parser, name, text, action)
             action.required = False
             action.__class__ = _AppendOverDefault
+        else:
+            # argparse converts a str default with the option's type only when the option is
+            # not given: the wrapper names the variable in the refusal.
+            action.type = _from_variable(name, text, action.type, action.choices)
+            action.default = text
 
 
-def _value(action: argparse.Action, text: str) -> Any:
-    if isinstance(action, argparse._StoreTrueAction):
-        if text.lower() in _TRUE:
-            return True
-        if text.lower() in _FALSE:
-            return False
-        raise ValueError("a flag takes 1, true, yes or on (0, false, no, off: not set)")
-    if isinstance(action, argparse._AppendAction):
-        parts = [part.strip() for part in text.split(",")]
-        if not all(parts):
-            raise ValueError("an empty value in the comma-separated list")
-        return [_one(action, part) for part in parts]
-    return _one(action, text)
+def _flag(parser: argparse.ArgumentParser, name: str, text: str) -> bool:
+    if text.lower() in _TRUE:
+        return True
+    if text.lower() in _FALSE:
+        return False
+    parser.error(f"{name}={text!r}: a flag takes 1, true, yes or on (0, false, no, off: unset)")
 
 
-def _one(action: argparse.Action, text: str) -> Any:
-    value = action.type(text) if callable(action.type) else text
-    choices: Sequence[Any] | None = action.choices  # type: ignore[assignment]
-    if choices is not None and value not in choices:
-        raise ValueError(f"must be one of {', '.join(map(str, choices))}")
-    return value
+def _listed(
+    parser: argparse.ArgumentParser, name: str, text: str, action: argparse.Action
+) -> list[Any]:
+    parts = [part.strip() for part in text.split(",")]
+    if not all(parts):
+        parser.error(f"{name}={text!r}: an empty value in the comma-separated list")
+    convert = action.type if callable(action.type) else str
+    return [convert(part) for part in parts]
+
+
+def _from_variable(name: str, text: str, convert: Any, choices: Any) -> Callable[[str], Any]:
+    """``convert``, refusing the variable's own value (``text``) by the variable's name, and
+    by ``choices``, which argparse checks only for values given on the command line."""
+    convert = convert if callable(convert) else str
+
+    def typed(value: str) -> Any:
+        if value is not text:  # from the command line: as the option always did
+            return convert(value)
+        try:
+            converted = convert(value)
+        except (argparse.ArgumentTypeError, ValueError, TypeError) as exc:
+            raise argparse.ArgumentTypeError(f"{name}={value!r}: {exc}") from None
+        allowed: Sequence[Any] | None = choices
+        if allowed is not None and converted not in allowed:
+            raise argparse.ArgumentTypeError(
+                f"{name}={value!r}: must be one of {', '.join(map(str, allowed))}"
+            )
+        return converted
+
+    return typed
 
 
 class _AppendOverDefault(argparse._AppendAction):
