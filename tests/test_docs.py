@@ -5,11 +5,14 @@ export of the tiny reference model, and ``h1-tiny/``, ``ckpt/tiny/`` the same), 
 page gives in prose or in an earlier example run first (``before``) and a check of what it made
 run after (``after``). HTTP examples are sent to a ``histoinfer serve`` on loopback in place of
 the docs' ``127.0.0.1:8080``. An example with no entry in ``EXAMPLES`` fails the test, so a new
-one is run from the day it is written.
+one is run from the day it is written. One that needs a package histoinfer does not depend on
+(docs/wire-format.md's ``anndata``) names it in ``requires``, and is skipped, saying so, where
+that package is not installed.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -60,6 +63,32 @@ assert (meta["name"], meta["gene_names"]) == ("my-model", my_gene_names), meta
 """
 
 
+def slide_answers(run: str) -> str:
+    """What README.md's whole-slide recipe promises: the answers in the order of the bodies,
+    and (``run`` sending them again with 4 workers) no more bodies held than that."""
+    return f"""
+import json
+assert [json.loads(r)["patch_idx"] for r in results] == list(range(200))
+assert [(json.loads(r)["x"], json.loads(r)["y"]) for r in results] == coords
+from histoinfer import InProcessClient
+answered, held = 0, []
+def counted(bodies):
+    for n, body in enumerate(bodies):
+        held.append(n - answered)  # bodies taken before this one and not answered yet
+        yield body
+real_predict_async = InProcessClient.predict_async
+async def predict_async(self, body, session=None):
+    global answered
+    try:
+        return await real_predict_async(self, body, session)
+    finally:
+        answered += 1
+InProcessClient.predict_async = predict_async
+assert len({run}) == 200
+assert max(held) < 4, max(held)
+"""
+
+
 @dataclass(frozen=True)
 class Example:
     page: str  # relative to the repository
@@ -78,6 +107,8 @@ class Context:
     awaits: bool = False
     # Also run with ``anyio.run(main, backend="trio")``, as the example's comment offers.
     on_trio: bool = False
+    # Packages it imports that are not histoinfer's dependencies: skipped where one is missing.
+    requires: tuple[str, ...] = ()
 
 
 def example_code(page: str, marker: str) -> str:
@@ -103,12 +134,13 @@ assert len(json.loads(response)["output"]) == 307
 assert len(json.loads(both)["embedding"]) > 0 and len(many) == 100
 """,
     ),
-    ("README.md", "asyncio.Semaphore(concurrency)"): Context(before=A_BODY),
-    ("README.md", "trio.run(main, bodies)"): Context(
-        before=A_BODY,
-        after="""
-assert len(trio.run(main, bodies[:3])) == 3
-""",
+    ("README.md", "results = asyncio.run(main(slide_bodies(coords)))"): Context(
+        after=slide_answers("asyncio.run(main(counted(slide_bodies(coords)), 4))"),
+    ),
+    ("README.md", "trio.run(main, slide_bodies(coords))"): Context(
+        # It reuses the asyncio example's ``slide_bodies`` and ``coords``.
+        before=example_code("README.md", "results = asyncio.run(main(slide_bodies(coords)))"),
+        after=slide_answers("trio.run(main, counted(slide_bodies(coords)), 4)"),
     ),
     ("README.md", "HttpClient("): Context(
         before=A_BODY,
@@ -127,6 +159,38 @@ assert [json.loads(r)["output"] for r in results] == [json.loads(results[0])["ou
 """,
     ),
     ("docs/benchmarks.md", "torch.profiler.profile()"): Context(),
+    ("docs/wire-format.md", "keep(i, await client.predict_with_embedding_async(body))"): Context(
+        # Its bodies are README.md's ``slide_bodies(coords)``.
+        before=example_code("README.md", "results = asyncio.run(main(slide_bodies(coords)))"),
+        after="""
+import json
+assert X.shape == (200, 307) and X.dtype == np.float32 and embedding.shape == (200, 96)
+assert spatial.tolist() == [list(c) for c in coords] and patch_idx.tolist() == list(range(200))
+assert list(slide_name) == ["S1"] * 200 and obs_names[:2] == ["S1_0", "S1_1"]
+assert list(obs["x"]) == [x for x, _ in coords] and list(obs["y"]) == [y for _, y in coords]
+assert uns["trained"] is False and len(uns["checkpoint_sha256"]) == 64, uns
+with InProcessClient.from_checkpoint("h1", "ckpt/model.pt2") as other:
+    one = json.loads(other.predict_with_embedding(next(slide_bodies(coords))))
+# What the page says of the floats: float32 holds each exactly.
+assert np.float32(one["output"]).astype(np.float64).tolist() == one["output"]
+assert np.float32(one["embedding"]).astype(np.float64).tolist() == one["embedding"]
+# Every tile is the same pixels: the same answer, up to the batch's composition.
+assert np.allclose(X, one["output"], atol=1e-4)
+assert np.allclose(embedding, one["embedding"], atol=1e-4)
+""",
+    ),
+    ("docs/wire-format.md", "anndata.AnnData("): Context(
+        requires=("anndata",),
+        before=example_code("README.md", "results = asyncio.run(main(slide_bodies(coords)))")
+        + example_code("docs/wire-format.md", "predict_with_embedding_async(body)"),
+        after="""
+back = anndata.read_h5ad("slide.h5ad")
+assert back.shape == (200, 307) and list(back.var_names) == meta.gene_names
+assert list(back.obs_names[:2]) == ["S1_0", "S1_1"] and list(back.obs["x"]) == list(obs["x"])
+assert (back.X == X).all() and (back.obsm["embedding"] == embedding).all()
+assert (back.obsm["spatial"] == spatial).all() and not back.uns["model"]["trained"]
+""",
+    ),
     ("docs/checkpoints.md", "dtype=torch.bfloat16)"): Context(
         # It is the example below it with the dtype added: that one runs first. Compiling
         # ahead of time takes minutes, so that call is bound to its signature, not run.
@@ -258,6 +322,9 @@ def test_example_runs_as_written(
     tmp_path: Path,
 ) -> None:
     context = context_of(example)
+    for package in context.requires:
+        if importlib.util.find_spec(package) is None:
+            pytest.skip(f"{example} needs {package}, which histoinfer does not depend on")
     needs_server = DOCS_URL in example.code
     base_url = request.getfixturevalue("server").base_url if needs_server else DOCS_URL
     work = tmp_path / "work"
