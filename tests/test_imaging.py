@@ -136,6 +136,12 @@ def bad_cases() -> list[tuple[str, str, dict[str, Any], list[str]]]:
             ["(an ICO image)"],  # was "a ICO"
         ),
         (
+            "PNG signature and garbage",  # not read as an impossible colour type (a review)
+            base64.b64encode(png[:8] + bytes(range(40))).decode(),
+            {},
+            ["damaged or truncated PNG"],
+        ),
+        (
             "PNG of a bit depth PNG has not",
             base64.b64encode(png[:24] + b"\x07" + png[25:]).decode(),  # IHDR depth 8 -> 7
             {},
@@ -503,6 +509,10 @@ def test_a_tiff_of_too_many_strips_is_refused_before_pillow_sets_them_up() -> No
     assert decode(within, width=1, height=imaging.MAX_TIFF_STRIPS).shape == (3, 32, 32)
     with pytest.raises(InvalidRequestError, match=r"a TIFF of 8,193 strips \(at most 8,192"):
         decode(_tiff_of_strips(imaging.MAX_TIFF_STRIPS + 1), width=1, height=8193)
+    # More where the pixel limit is higher: one a 256 pixels (a review: a 4096 x 4096 planar
+    # TIFF of one-row strips has 12,288, and Pillow reads it in 0.16 s).
+    over = _tiff_of_strips(imaging.MAX_TIFF_STRIPS + 1)
+    assert decode(over, width=1, height=8193, max_image_pixels=4096 * 4096).shape == (3, 32, 32)
 
 
 def test_an_mpo_of_too_many_scans_is_refused_as_a_jpeg() -> None:

@@ -130,9 +130,9 @@ _PNG_DEPTHS = {0: (1, 2, 4, 8, 16), 2: (8, 16), 3: (1, 2, 4, 8), 4: (8, 16), 6: 
 
 def _png_pixels(raw: bytes) -> str:
     """A PNG's IHDR bit depth and colour type, named when PNG allows no such pair."""
+    if raw[12:16] != b"IHDR" or len(raw) < 33:
+        return ""  # no header where it belongs: damaged, not of a pixel format PNG lacks
     depth, colour = raw[24:25], raw[25:26]
-    if not depth or not colour:
-        return ""
     allowed = _PNG_DEPTHS.get(colour[0])
     if allowed is None:
         return f"of colour type {colour[0]}, which PNG does not have (0, 2, 3, 4 or 6)"

@@ -199,16 +199,18 @@ def _jpeg_fault(raw: bytes) -> str | None:
     return f"a JPEG of over {_MAX_JPEG_SEGMENTS:,} segments (encoders write a few dozen)"
 
 
-#: Strips (or tiles) a TIFF may have: Pillow sets up each in Python (~10 us each), and a 1-pixel
-#: wide image of 2 M rows, one strip a row, is 2 M of them within every size limit (~20 s).
-#: libtiff's default strips of ~8 KB make 6,144 for the largest image taken (4096 x 4096 RGB).
+#: Strips (or tiles) a TIFF may have, at least: Pillow sets up each in Python (~10-15 us
+#: each), and a 1-pixel wide image of 2 M rows, one strip a row, is 2 M of them within the
+#: pixel limit (~20 s). Beyond this, one a 256 pixels of the pixel limit is allowed (65,536 at
+#: the default 4096 x 4096: ~1 s at most), which takes libtiff's default strips (~8 KB),
+#: planar rows of one row each, and 16-px tiles of the largest image taken.
 MAX_TIFF_STRIPS = 8192
 #: Tags a TIFF's first directory may have (a file has ~10-40; Pillow reads each in Python).
 _MAX_TIFF_TAGS = 1024
 _TIFF_OFFSETS = {273: "strips", 324: "tiles"}  # StripOffsets, TileOffsets
 
 
-def _tiff_fault(raw: bytes) -> str | None:
+def _tiff_fault(raw: bytes, max_image_pixels: int) -> str | None:
     """Why a TIFF would cost seconds to set up within every size limit, read from its first
     directory before Pillow parses it: too many tags, strips or tiles. Anything malformed is
     left to Pillow, which refuses it."""
@@ -231,13 +233,14 @@ def _tiff_fault(raw: bytes) -> str | None:
             return None  # a directory not where it says, or not all there: Pillow refuses it
         if tags > _MAX_TIFF_TAGS:
             return f"a TIFF of {tags:,} tags in its first directory (at most {_MAX_TIFF_TAGS:,})"
+        most = max(MAX_TIFF_STRIPS, max_image_pixels // 256)
         for index in range(tags):
             tag, _, count = struct.unpack_from(layout, raw, first + index * entry)
-            if tag in _TIFF_OFFSETS and count > MAX_TIFF_STRIPS:
+            if tag in _TIFF_OFFSETS and count > most:
                 kind = _TIFF_OFFSETS[tag]
                 return (
-                    f"a TIFF of {count:,} {kind} (at most {MAX_TIFF_STRIPS:,}: save it with "
-                    f"fewer, larger {kind})"
+                    f"a TIFF of {count:,} {kind} (at most {most:,}: save it with fewer, "
+                    f"larger {kind})"
                 )
     except struct.error:  # truncated: Pillow says so
         return None
@@ -308,7 +311,8 @@ def decode_tile(
             return _resized(Image.fromarray(array), tile_size, interpolation)
     # Before Pillow parses the header, which is where these cost seconds. JPEG and MPO alike;
     # JPEG-compressed TIFF strips need no scan count: libtiff refuses a strip of over 100 itself.
-    costly = _jpeg_fault(raw) if raw[:3] == b"\xff\xd8\xff" else _tiff_fault(raw)
+    jpeg = raw[:3] == b"\xff\xd8\xff"
+    costly = _jpeg_fault(raw) if jpeg else _tiff_fault(raw, max_image_pixels)
     if costly is not None:
         raise invalid(costly)
     try:
