@@ -1564,7 +1564,7 @@ def test_a_refused_request_of_a_split_call_names_the_calls_positions(small_serve
     prefix = (
         "in the /batch request holding positions 3-5 of this call's 9 (add 3 to the positions "
         "named below; error.positions are the call's; nothing is returned): "
-        "1 of 3 requests are invalid (position 1), nothing was computed: "
+        "1 of 3 requests are invalid (position 1), nothing of it was computed: "
     )
     assert message.startswith(prefix), message
     # The first request refused: positions as they are.

@@ -62,6 +62,9 @@ def test_uvicorn_s_invalid_request_warning_is_throttled_saying_what_it_left_out(
 
     assert keep(invalid()) and not keep(invalid()) and not keep(invalid())
     assert keep(record("another warning"))  # other lines pass untouched
+    upgrade = record("Unsupported upgrade request.")  # throttled on its own
+    assert keep(upgrade) and upgrade.getMessage() == "Unsupported upgrade request."
+    assert not keep(record("Unsupported upgrade request."))
     now[0] = 61.0
     third = invalid()
     assert keep(third)

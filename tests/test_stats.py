@@ -61,7 +61,7 @@ def test_a_snapshot_reads_short_and_keeps_its_figures() -> None:
     assert shown.startswith("StatsSnapshot(batches=1, samples=3, mean_batch_size=3.0,")
     assert "forward_ms={'p50': 30.123, 'p95': 30.123, 'p99': 30.123}" in shown
     assert f"queue_wait_buckets=<3 in {len(DURATION_BOUNDS) + 1} buckets>" in shown
-    assert "forward_busy_s=0.03," in shown
+    assert "forward_busy_s=0.030123," in shown
     assert len(shown) < 500 and snap.forward_ms["p50"] == pytest.approx(30.1234567)
 
 

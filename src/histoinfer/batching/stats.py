@@ -63,15 +63,16 @@ class StatsSnapshot:
         return asdict(self)
 
     def __repr__(self) -> str:
-        # Short enough to read in a notebook: times to the microsecond, and the histograms'
-        # buckets (every sample since the start, for Prometheus) as their count.
+        # Short enough to read in a notebook: times to the microsecond (ms to 3 places, s to
+        # 6), and the histograms' buckets (every sample since the start, for Prometheus) as
+        # their count.
         shown = []
         for spec in fields(self):
             value = getattr(self, spec.name)
             if spec.name.endswith("_buckets"):
                 text = f"<{sum(value)} in {len(value)} buckets>"
             elif isinstance(value, float):
-                text = repr(round(value, 3))
+                text = repr(round(value, 6 if spec.name.endswith("_s") else 3))
             elif spec.name.endswith("_ms"):
                 text = repr({key: round(ms, 3) for key, ms in value.items()})
             else:

@@ -912,7 +912,7 @@ def _size(body: object) -> int:
     if isinstance(body, str):
         return len(body) if body.isascii() else len(body.encode("utf-8", "surrogatepass"))
     if isinstance(body, bytes | bytearray):
-        return len(body)
+        return -(-len(body) // 3) * 4 + 16  # sent as base64, in an object of one key
     return 64  # a placeholder or a type's name (_encode_verbatim)
 
 
@@ -960,9 +960,11 @@ class _Batch:
             error.positions = [start + position for position in error.positions]
         held = f"position {start}" if stop - start == 1 else f"positions {start}-{stop - 1}"
         add = f"add {start} to the positions named below; " if start else ""
+        # The server's "nothing was computed" is of its request: earlier ones of the call were.
+        said = str(error).replace(", nothing was computed:", ", nothing of it was computed:", 1)
         error.args = (
             f"in the /batch request holding {held} of this call's {self.count} ({add}"
-            f"error.positions are the call's; nothing is returned): {error}",
+            f"error.positions are the call's; nothing is returned): {said}",
         )
 
 

@@ -37,7 +37,7 @@ from ..models.registry import UnknownModelError, model_class
 from .access import AccessLog
 from .app import ClientSource, ServerState, create_app
 from .environment import defaults_from_environment
-from .logs import ThrottledInvalidRequests, formatter_for, uvicorn_log_config
+from .logs import JsonFormatter, ThrottledInvalidRequests, formatter_for, uvicorn_log_config
 from .metrics import UNKNOWN
 
 __all__ = ["configure", "run"]
@@ -337,8 +337,9 @@ def run(args: argparse.Namespace) -> int:
         f"serving {names} on {where} ({args.server}, {args.backend}); ready at /health/ready "
         "once loaded"
     )
-    if args.log_format == "json":  # every line of the stream an object
-        log.info(serving)
+    if args.log_format == "json":  # every line of the stream an object, whatever the level
+        said = logging.LogRecord(log.name, logging.INFO, __file__, 0, serving, None, None)
+        print(JsonFormatter().format(said), file=sys.stderr, flush=True)
     else:
         print(f"histoinfer: {serving}", file=sys.stderr, flush=True)
     served = AccessLog(app) if args.access_log else app  # the servers' own access logs off

@@ -74,21 +74,22 @@ def uvicorn_log_config(log_format: str) -> dict[str, Any]:
 
 
 class ThrottledInvalidRequests(logging.Filter):
-    """uvicorn's "Invalid HTTP request received." (a warning for every malformed request, which
-    anyone can send by the thousand: a fuzzing trial filled the log) at most once a minute,
-    saying how many it left out."""
+    """uvicorn's warnings for a malformed request or an upgrade it does not serve (one a
+    request, which anyone can send by the thousand: a fuzzing trial filled the log) at most
+    once a minute each, saying how many it left out."""
 
-    MESSAGE = "Invalid HTTP request received."
+    MESSAGES = frozenset({"Invalid HTTP request received.", "Unsupported upgrade request."})
 
     def __init__(self, throttle: LogThrottle | None = None) -> None:
         super().__init__()
         self._throttle = throttle if throttle is not None else LogThrottle()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.msg != self.MESSAGE:
+        message = record.msg
+        if not isinstance(message, str) or message not in self.MESSAGES:
             return True
-        due = self._throttle.due(self.MESSAGE)
+        due = self._throttle.due(message)
         if due is None:
             return False
-        record.msg = self.MESSAGE + since(*due)
+        record.msg = message + since(*due)
         return True
