@@ -252,6 +252,11 @@ async def test_a_long_batch_of_more_than_its_requests_can_hold_is_413_unparsed(
         for batch in ([json.loads(body) for body in full], full):
             p = assert_problem(await http.post("/api/embed/h1/batch", json=batch), 400)
             assert "bulk_rna" in p["detail"] and p["positions"] == list(range(8))
+        # Slide names with commas: 100 each, as a request in-process may hold (a review).
+        named = [make_body(i, slide_name="a," * 100) for i in range(8)]
+        assert sum(map(len, named)) > 2**20
+        r = await http.post("/api/embed/h1/batch", json=named)
+        assert r.status_code == 200 and len(r.json()) == 8, r.text
 
 
 async def test_a_long_body_of_too_many_values_is_refused_as_in_process(tiny_model):

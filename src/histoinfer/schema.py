@@ -31,7 +31,6 @@ __all__ = [
     "MAX_BULK_RNA",
     "MAX_INT",
     "MODES",
-    "OTHER_COMMAS",
     "BatchingSettings",
     "ForeignBody",
     "InvocationEnvelope",
@@ -452,7 +451,7 @@ SCREENED_FROM = 1 << 20
 
 #: commas a request may hold beside its ``bulk_rna`` values: its other fields' separators,
 #: with room for a few in its slide name
-OTHER_COMMAS = 64
+_OTHER_COMMAS = 64
 
 
 def byte_count(body: bytes, *chars: str) -> int:
@@ -472,7 +471,7 @@ def _screen(body: str | bytes, what: str = "request", position: int | None = Non
     if not _screened(body):
         return
     commas = body.count(",") if isinstance(body, str) else byte_count(body, ",")
-    if commas > MAX_BULK_RNA + OTHER_COMMAS:
+    if commas > MAX_BULK_RNA + _OTHER_COMMAS:
         raise InvalidRequestError(
             f"invalid {what}{locate(position)}: body has {commas:,} commas: a request has a few "
             f"between its fields and at most {MAX_BULK_RNA:,} in its bulk_rna (a list or an "

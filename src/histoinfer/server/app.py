@@ -53,7 +53,6 @@ from ..schema import (
     INVOCATION_MODES,
     MAX_BULK_RNA,
     MODES,
-    OTHER_COMMAS,
     SCREENED_FROM,
     ForeignBody,
     InvocationEnvelope,
@@ -639,6 +638,7 @@ def _mode(mode: str) -> Mode:
 #: body sent as a JSON string)
 _CONTAINERS_A_REQUEST = 4
 _QUOTES_A_REQUEST = 48
+_COMMAS_A_REQUEST = 256
 
 
 def _screen_batch(raw: bytes, limit: int, bulk_rna: bool) -> None:
@@ -655,8 +655,10 @@ def _screen_batch(raw: bytes, limit: int, bulk_rna: bool) -> None:
     commas = byte_count(raw, ",")
     most_containers = limit * _CONTAINERS_A_REQUEST + 1
     most_quotes = limit * _QUOTES_A_REQUEST
-    # a request's fields' separators, its bulk_rna values', and the one after it in the list
-    most_commas = limit * (OTHER_COMMAS + (MAX_BULK_RNA if bulk_rna else 0) + 1)
+    # A request's fields' separators with room for ~200 in a slide name (in-process a request
+    # may hold 64 beside its bulk_rna: a review found a batch of such names refused here, with
+    # a small --max-batch-requests), its bulk_rna values, and the one after it in the list.
+    most_commas = limit * (_COMMAS_A_REQUEST + (MAX_BULK_RNA if bulk_rna else 0))
     if containers > most_containers or quotes > most_quotes or commas > most_commas:
         raise PayloadTooLargeError(
             f"invalid batch: its body holds {containers:,} JSON objects and arrays, "
