@@ -569,9 +569,10 @@ def test_a_queue_bound_below_the_batch_size_is_warned_about_once(
 ) -> None:
     monkeypatch.setattr(scheduler_module, "_WARNED_QUEUE_BOUNDS", set())
     with caplog.at_level(logging.WARNING, logger="histoinfer.batching"):
-        BatchScheduler(list, max_batch_size=32, max_queue=8, name="tiny-queue")
-        BatchScheduler(list, max_batch_size=32, max_queue=8, name="tiny-queue")
-    assert "tiny-queue" in caplog.text and caplog.text.count("max_queue=8") == 1
+        BatchScheduler(list, max_batch_size=32, max_queue=8, name="tiny-queue:predict")
+        BatchScheduler(list, max_batch_size=32, max_queue=8, name="tiny-queue:embed")
+        BatchScheduler(list, max_batch_size=32, max_queue=8, name="other")  # its own owner
+    assert "tiny-queue:predict" in caplog.text and caplog.text.count("max_queue=8") == 2
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="histoinfer.batching"):
         BatchScheduler(list, max_batch_size=8, max_queue=8)

@@ -72,9 +72,10 @@ __all__ = [
 
 log = logging.getLogger("histoinfer.batching")
 
-#: the (max_queue, max_batch_size) pairs already warned about: a client makes a scheduler per
-#: loop and mode, and warns when it is made, so a pair is said once a process, not each time
-_WARNED_QUEUE_BOUNDS: set[tuple[int, int]] = set()
+#: the (owner, max_queue, max_batch_size) already warned about: a client makes a scheduler
+#: per loop and mode, named "<client>:<mode>", and warns when it is made itself, so each
+#: client (a server's each model) says it once a process, not at each loop's first call
+_WARNED_QUEUE_BOUNDS: set[tuple[str, int, int]] = set()
 
 
 def warn_if_batches_cannot_fill(name: str, max_queue: int | None, max_batch_size: int) -> None:
@@ -82,9 +83,10 @@ def warn_if_batches_cannot_fill(name: str, max_queue: int | None, max_batch_size
     ``max_batch_size`` (Ray Serve #43288: an admission cap below the batch size)."""
     if max_queue is None or max_queue >= max_batch_size:
         return
-    if (max_queue, max_batch_size) in _WARNED_QUEUE_BOUNDS:
+    key = (name.partition(":")[0], max_queue, max_batch_size)
+    if key in _WARNED_QUEUE_BOUNDS:
         return
-    _WARNED_QUEUE_BOUNDS.add((max_queue, max_batch_size))
+    _WARNED_QUEUE_BOUNDS.add(key)
     log.warning(
         "%s: max_queue=%d is below max_batch_size=%d; batches can never fill",
         name,
