@@ -943,3 +943,31 @@ def test_a_model_whose_lone_latency_fails_leaves_the_other_models_results(
     assert {row["model"] for row in latency["rows"]} == {"tiny"}
     assert {row["variant"] for row in latency["rows"]} == set(runner.LONE_VARIANTS)
     assert latency["checks"] and all(c["detail"].startswith("tiny") for c in latency["checks"])
+
+
+def test_without_the_plotting_package_the_bench_stops_before_measuring(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It measured for ~50 s, then failed for want of matplotlib (a packaging trial)."""
+    import sys
+
+    from histoinfer.bench import runner
+    from histoinfer.cli import main
+
+    def measured(*args: object, **kwargs: object) -> None:
+        raise AssertionError("measured without the extra")
+
+    monkeypatch.setattr(runner, "run_bench", measured)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # importing it raises ImportError
+    assert main(["bench", "--quick"]) == 1
+    assert "'histoinfer bench' needs the 'bench' extra" in capsys.readouterr().err
+
+
+def test_the_bench_server_leaves_serve_settings_of_the_environment_out() -> None:
+    """A container configured through HISTOINFER_* skewed or failed the bench's own server."""
+    from histoinfer.bench.loopback import _without_serve_settings
+
+    kept = _without_serve_settings(
+        {"PATH": "/bin", "HISTOINFER_MAX_BODY_MB": "0.001", "HISTOINFER_SCRIPT_CACHE": "off"}
+    )
+    assert kept == {"PATH": "/bin", "HISTOINFER_SCRIPT_CACHE": "off"}

@@ -555,6 +555,19 @@ def test_serve_names_each_client_after_its_route(tiny_checkpoint: Path) -> None:
             assert repr(client).startswith(f"<InProcessClient {route!r}")
 
 
+def test_demo_where_the_cache_cannot_be_written_says_how_to_move_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A container's read-only home: "[Errno 30] Read-only file system" and no hint (a trial).
+    (Root writes anywhere; a file where a folder belongs fails the same way for it too.)"""
+    from histoinfer import demo
+
+    (tmp_path / "home").write_text("a file, not a folder")
+    monkeypatch.setattr(demo, "cache_dir", lambda: tmp_path / "home" / ".cache" / "histoinfer")
+    code, _, err = run(["demo", "--size", "tiny", "--out", str(tmp_path)], capsys)
+    assert_one_line_error(code, err, "cannot build the reference checkpoint in", "XDG_CACHE_HOME")
+
+
 def test_demo_refuses_a_tile_of_zero(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--tile", "0"]) == 1
     assert "--tile must be positive" in capsys.readouterr().err

@@ -43,6 +43,15 @@ def reference_checkpoint(size: str) -> tuple[Path, bool]:
     checkpoint = folder / CHECKPOINT_FILE
     if checkpoint.is_file() and (folder / "model.json").is_file():
         return checkpoint, False
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a container's read-only home
+        raise OSError(
+            f"cannot build the reference checkpoint in {folder} ({exc.strerror}): set "
+            "XDG_CACHE_HOME to a writable folder (the cache is $XDG_CACHE_HOME/histoinfer), or "
+            "build one with `histoinfer export h1 --size SIZE --out DIR` into $XDG_CACHE_HOME/"
+            f"histoinfer/h1-{version} beforehand"
+        ) from None
     print(f"building the h1 '{size}' reference checkpoint in {folder} (once) ...", flush=True)
     print("  note: seeded, UNTRAINED weights: real architecture and format, not a trained model")
     export_reference_h1(size, folder)

@@ -218,6 +218,10 @@ def config_from_args(args: argparse.Namespace) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``histoinfer bench``; print where the outputs are, and the targets' results."""
+    # The plot's, imported now: missing, it failed the command after its minutes of measuring
+    # (a trial); the command then names the extra that installs it.
+    import matplotlib  # noqa: F401
+
     from .report import write_outputs
     from .runner import run_bench, verdict
 

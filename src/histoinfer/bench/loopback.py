@@ -102,7 +102,7 @@ class ServerProcess:
             self.command,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            env={**_without_serve_settings(os.environ), "PYTHONUNBUFFERED": "1", **(env or {})},
         )
         try:
             wait_ready(self.base_url, ready_timeout, alive=lambda: self.proc.poll() is None)
@@ -215,3 +215,16 @@ def parse_metrics(text: str) -> dict[str, float]:
     if "forward_s" not in found and has_forward_sum:
         found["forward_s"] = forward_sum
     return found
+
+
+def _without_serve_settings(environ: Mapping[str, str]) -> dict[str, str]:
+    """This process's environment less ``serve``'s settings (``HISTOINFER_MAX_QUEUE``...): a
+    container configured through them skewed or failed the bench's own server (a trial). The
+    script cache's variable is not a setting of the server, and stays."""
+    from ..server.environment import PREFIX
+
+    return {
+        name: value
+        for name, value in environ.items()
+        if not name.startswith(PREFIX) or name == "HISTOINFER_SCRIPT_CACHE"
+    }

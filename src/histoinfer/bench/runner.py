@@ -857,18 +857,25 @@ def _latency_model(
 
 
 def _git_commit() -> str | None:
+    """histoinfer's commit, where it runs from a clone; None for an installed package (the
+    repository around a venv in a CI checkout is the user's project, not histoinfer: a trial)."""
+    package = Path(__file__).resolve().parent.parent
     try:
         result = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
+            ["git", "rev-parse", "--show-toplevel", "--short", "HEAD"],
             capture_output=True,
             text=True,
             timeout=5,
             check=False,
-            cwd=Path(__file__).parent,
+            cwd=package,
         )
     except OSError:
         return None
-    return result.stdout.strip() or None
+    lines = result.stdout.splitlines()
+    if result.returncode != 0 or len(lines) != 2:
+        return None
+    top, commit = lines  # in the order asked
+    return commit if package == Path(top).resolve() / "src" / "histoinfer" else None
 
 
 def environment() -> dict[str, Any]:
