@@ -296,15 +296,22 @@ def test_cli_argument_errors(tiny_checkpoint, capsys):
         assert message in capsys.readouterr().err
 
 
-def test_a_checkpoint_that_fails_to_load_stops_the_server(tmp_path, tiny_dir):
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_a_checkpoint_that_fails_to_load_stops_the_server(tmp_path, tiny_dir, log_format):
     bad = tmp_path / "model.pt2"
     bad.write_bytes(b"this is not a checkpoint")
     shutil.copy(tiny_dir / "model.json", tmp_path)  # without it, refused before binding
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     command = [sys.executable, "-m", "histoinfer", "serve", "--model", "h1"]
-    command += ["--checkpoint", str(bad), "--port", str(free_port())]
+    command += ["--checkpoint", str(bad), "--port", str(free_port()), "--log-format", log_format]
     done = subprocess.run(
         command, capture_output=True, text=True, timeout=90, env=env, cwd=HERE.parent
     )
     assert done.returncode == 1, done.stderr
     assert "failed to load" in done.stderr and str(bad) in done.stderr
+    if log_format == "text":
+        assert "histoinfer: error: model 'h1' failed to load: " in done.stderr
+    else:  # every line an object, the last word too
+        entries = [json.loads(line) for line in done.stderr.splitlines() if line.strip()]
+        assert entries[-1]["level"] == "ERROR"
+        assert entries[-1]["message"].startswith("model 'h1' failed to load: ")

@@ -333,15 +333,12 @@ def run(args: argparse.Namespace) -> int:
     names = ", ".join(state.models)
     # Port 0: the server picks a free one, and its own log line names it.
     where = f"http://{_authority(args.host, args.port)}" if args.port else "a free port"
-    serving = (
+    _say(
+        args,
+        logging.INFO,
         f"serving {names} on {where} ({args.server}, {args.backend}); ready at /health/ready "
-        "once loaded"
+        "once loaded",
     )
-    if args.log_format == "json":  # every line of the stream an object, whatever the level
-        said = logging.LogRecord(log.name, logging.INFO, __file__, 0, serving, None, None)
-        print(JsonFormatter().format(said), file=sys.stderr, flush=True)
-    else:
-        print(f"histoinfer: {serving}", file=sys.stderr, flush=True)
     served = AccessLog(app) if args.access_log else app  # the servers' own access logs off
     if args.server == "uvicorn":
         _run_uvicorn(served, state, args)
@@ -349,8 +346,19 @@ def run(args: argparse.Namespace) -> int:
         _run_hypercorn(served, state, args)
     failed = {name: m.error for name, m in state.models.items() if m.status == "failed"}
     for name, error in failed.items():
-        print(f"histoinfer: error: model {name!r} failed to load: {error}", file=sys.stderr)
+        _say(args, logging.ERROR, f"model {name!r} failed to load: {error}")
     return 1 if failed else 0
+
+
+def _say(args: argparse.Namespace, level: int, message: str) -> None:
+    """A line the command says whatever the log level: "histoinfer: ..." (``error: ...``), or
+    with ``--log-format json`` a JSON object, so that every line of the stream is one."""
+    if args.log_format == "json":
+        said = logging.LogRecord(log.name, level, __file__, 0, message, None, None)
+        print(JsonFormatter().format(said), file=sys.stderr, flush=True)
+    else:
+        kind = "error: " if level >= logging.ERROR else ""
+        print(f"histoinfer: {kind}{message}", file=sys.stderr, flush=True)
 
 
 def freeze_startup_heap() -> None:
