@@ -42,6 +42,7 @@ __all__ = [
     "ModelResponse",
     "json_hint",
     "parse_request",
+    "utf8_size",
 ]
 
 Mode = Literal["predict", "embed", "predict_with_embedding"]
@@ -485,9 +486,17 @@ def _screened(body: str | bytes) -> bool:
     "é," was 901,389 characters, not screened, and 1,251,389 bytes, refused: a trial)."""
     if len(body) >= SCREENED_FROM:
         return True
-    if isinstance(body, str) and len(body) * 4 >= SCREENED_FROM and not body.isascii():
-        return len(body.encode("utf-8", "surrogatepass")) >= SCREENED_FROM
-    return False
+    return (
+        isinstance(body, str)
+        and len(body) * 4 >= SCREENED_FROM
+        and utf8_size(body) >= SCREENED_FROM
+    )
+
+
+def utf8_size(text: str) -> int:
+    """``text``'s bytes as it is sent (UTF-8, a lone surrogate kept): its length where it is
+    ASCII, which Python knows without a scan."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
 
 
 def parse_request(body: str | bytes, position: int | None = None) -> ModelRequest:

@@ -221,10 +221,11 @@ def _without_serve_settings(environ: Mapping[str, str]) -> dict[str, str]:
     """This process's environment less ``serve``'s settings (``HISTOINFER_MAX_QUEUE``...): a
     container configured through them skewed or failed the bench's own server (a trial). The
     script cache's variable is not a setting of the server, and stays."""
+    from ..models.script_cache import CACHE_ENV
     from ..server.environment import PREFIX
 
     return {
         name: value
         for name, value in environ.items()
-        if not name.startswith(PREFIX) or name == "HISTOINFER_SCRIPT_CACHE"
+        if not name.startswith(PREFIX) or name == CACHE_ENV
     }

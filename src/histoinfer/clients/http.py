@@ -57,7 +57,7 @@ from ..errors import (
     error_for_problem_type,
 )
 from ..protocol import documented_as_client
-from ..schema import ForeignBody, Mode, not_a_json_string, parse_request
+from ..schema import ForeignBody, Mode, not_a_json_string, parse_request, utf8_size
 from .lifecycle import CLIENT_CLOSED, ClosingContext, InFlight, mend_after_fork, running_loop_here
 
 if TYPE_CHECKING:
@@ -910,7 +910,7 @@ def _size(body: object) -> int:
     """A body's bytes in a ``/batch`` request: exact in a JSON list (the usual batch); a
     verbatim one's escapes are the send's to notice (``HttpClient._send_part``)."""
     if isinstance(body, str):
-        return len(body) if body.isascii() else len(body.encode("utf-8", "surrogatepass"))
+        return utf8_size(body)
     if isinstance(body, bytes | bytearray):
         return -(-len(body) // 3) * 4 + 16  # sent as base64, in an object of one key
     return 64  # a placeholder or a type's name (_encode_verbatim)
