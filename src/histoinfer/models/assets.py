@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import codecs
+import difflib
 from collections import Counter
 from pathlib import Path
 from typing import Literal
@@ -16,7 +17,9 @@ from pydantic import (
     ValidationInfo,
     field_validator,
 )
+from pydantic_core import ErrorDetails
 
+from ..schema import Mode
 from .checkpoint import CheckpointError
 
 __all__ = ["ASSETS_FILE", "Interpolation", "ModelAssets", "load_assets"]
@@ -47,6 +50,10 @@ class ModelAssets(BaseModel):
     #: (it serves ``embed`` alone).
     gene_names: list[str] = Field(default_factory=list)
     embedding_size: int = Field(gt=0)
+    #: the modes this checkpoint serves, among its model class's (default: all of those): a
+    #: program that returns one output (an embedding model's, a prediction model's) serves
+    #: ``["embed"]`` or ``["predict"]`` under ``h1`` with no subclass of its own
+    modes: list[Mode] | None = Field(default=None, min_length=1)
     accepts_bulk_rna: bool = False
     #: False for seeded, untrained weights (the reference checkpoints write it); a user's own
     #: model.json may leave it out (SPEC lists the fields without it)
@@ -85,6 +92,14 @@ class ModelAssets(BaseModel):
                 f"normalization), got {std}{_HINT_255}"
             )
         return std
+
+    @field_validator("modes")
+    @classmethod
+    def _modes_named_once(cls, modes: list[Mode] | None) -> list[Mode] | None:
+        twice = sorted({mode for mode in modes if modes.count(mode) > 1}) if modes else []
+        if twice:
+            raise ValueError(f"modes named more than once: {', '.join(twice)}")
+        return modes
 
     @field_validator("gene_names", mode="before")
     @classmethod
@@ -135,9 +150,17 @@ def load_assets(assets_dir: str | Path) -> ModelAssets:
             data, strict=True, context={"directory": path.parent}
         )
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(map(str, e['loc'])) or 'file'}: {e['msg']}" for e in exc.errors()
-        )
+        problems = "; ".join(map(_problem, exc.errors()))
         raise CheckpointError(f"model assets {path} are invalid: {problems}") from None
     assets._directory = path.parent
     return assets
+
+
+def _problem(error: ErrorDetails) -> str:
+    """One validation error, a misspelt key with the key it is closest to."""
+    where = ".".join(map(str, error["loc"])) or "file"
+    hint = ""
+    if error["type"] == "extra_forbidden" and len(error["loc"]) == 1:
+        close = difflib.get_close_matches(str(error["loc"][0]), ModelAssets.model_fields, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"{where}: {error['msg']}{hint}"

@@ -37,7 +37,7 @@ from .checkpoint import (
 )
 from .device_thread import device_thread, one_cpu
 from .imaging import decode_tile
-from .scripted import bitwise_equal, script_program, scripted_equal
+from .scripted import bitwise_equal, interpreter_error, script_program, scripted_equal
 
 __all__ = [
     "BatchOutput",
@@ -158,6 +158,20 @@ class BatchOutput:
         return mask
 
 
+#: how far two answers to the same tile may differ, relative to the largest value in them
+_REPEAT_TOLERANCE = 0.05
+
+
+def _gap(a: torch.Tensor, b: torch.Tensor) -> float | None:
+    """The largest difference between ``a`` and ``b`` if it is over the tolerance, else None."""
+    a, b = a.detach().float().cpu(), b.detach().float().cpu()
+    if a.numel() == 0:
+        return None
+    gap = float((a - b).abs().max())
+    scale = max(float(a.abs().max()), float(b.abs().max()))
+    return gap if gap > _REPEAT_TOLERANCE * scale + 1e-6 else None
+
+
 def non_finite_error(model: str, where: str, step: str = "") -> ModelExecutionError:
     """The error of outputs with NaN or infinity (``where``: "for" one tile, or several, or
     "at" a batch position), blaming ``step`` if one is named (else the model's pass). JSON has
@@ -179,8 +193,9 @@ class ServerModel:
     override ``forward_batch`` if your program's outputs differ.
     """
 
-    #: Modes this model serves; others raise :class:`UnsupportedModeError`.
-    modes: ClassVar[tuple[Mode, ...]] = MODES
+    #: Modes this model class serves; others raise :class:`UnsupportedModeError`. A
+    #: checkpoint's ``model.json`` may narrow them (its ``modes``): an instance's are its own.
+    modes: tuple[Mode, ...] = MODES
     #: Whether a CPU batch of 2+ tiles may run as parts on several threads at once (models/
     #: shards.py);
     #: ``forward_batch`` must then be safe to call from several threads at once, as the
@@ -195,6 +210,10 @@ class ServerModel:
     #: it is only if the program returns exactly what it returns on a contiguous batch on the
     #: load-time probe. Set it to False to always pass contiguous batches.
     channels_last_batches: ClassVar[bool] = True
+    #: Whether the model's answers are random by design (Monte Carlo dropout): the load-time
+    #: check that a tile gets the same answer twice, alone or beside another, is then skipped.
+    #: Left False, a module exported in training mode (dropout on, batch statistics) is refused.
+    random_outputs: ClassVar[bool] = False
     #: Limits on one tile's encoded size and decoded pixel count.
     max_image_bytes: ClassVar[int] = 32 * 1024 * 1024
     max_image_pixels: ClassVar[int] = 4096 * 4096
@@ -202,14 +221,23 @@ class ServerModel:
     def __init__(self, checkpoint: LoadedCheckpoint, assets: ModelAssets, device: str = "cpu"):
         self.checkpoint = checkpoint
         self.assets = assets
+        named = assets.directory / ASSETS_FILE if assets.directory else ASSETS_FILE
+        if assets.modes is not None:
+            unserved = [mode for mode in assets.modes if mode not in self.modes]
+            if unserved:
+                raise CheckpointError(
+                    f"model assets {named} are invalid for {type(self).__name__}: modes "
+                    f"{', '.join(unserved)} not among the modes it serves "
+                    f"({', '.join(self.modes)})"
+                )
+            self.modes = tuple(mode for mode in self.modes if mode in assets.modes)
         predicting = [m for m in self.modes if m != "embed"]
         if predicting and not assets.gene_names:
-            named = assets.directory / ASSETS_FILE if assets.directory else ASSETS_FILE
             raise CheckpointError(
                 f"model assets {named} are invalid for {type(self).__name__}: gene_names is "
                 f"empty, but it serves {', '.join(predicting)}: name the genes (a list, or a "
-                f"gene list file in the assets directory), or serve embed alone "
-                f"(modes = ('embed',))"
+                f'gene list file in the assets directory), or serve embed alone ("modes": '
+                f'["embed"] in model.json)'
             )
         self.device = one_cpu(torch.device(device))
         mean = torch.tensor(assets.mean, dtype=torch.float32).view(1, 3, 1, 1)
@@ -476,7 +504,11 @@ class ServerModel:
                 if mode != "embed" and predictions is not None
                 else None
             ),
-            embedding=self._own(embedding.float().cpu()) if mode != "predict" else None,
+            embedding=(
+                self._own(embedding.float().cpu())
+                if mode != "predict" and embedding is not None
+                else None
+            ),
         )
 
     def postprocess(self, request: ModelRequest, output: SampleOutput, mode: Mode) -> ModelResponse:
@@ -508,7 +540,7 @@ class ServerModel:
         its input, or a view of it): the next batch overwrites that buffer."""
         return output.clone() if self._input_buffer.holds(output) else output
 
-    def _run_program(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def _run_program(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         size = self.assets.tile_size
         if x.dim() != 4 or tuple(x.shape[1:]) != (3, size, size):
             # The program's own input guards do not run when it is scripted (models/scripted.py).
@@ -519,26 +551,32 @@ class ServerModel:
         if x.dtype != self.checkpoint.input_dtype:
             # A reduced-precision program: normalized in float32, then cast, once per batch.
             x = x.to(self.checkpoint.input_dtype)
-        result = self.checkpoint.program(x)
-        embeds_only = tuple(self.modes) == ("embed",)
-        if embeds_only and isinstance(result, torch.Tensor):
-            return None, result  # an embedding model's program: its embedding alone
-        if embeds_only and isinstance(result, Sequence) and len(result) == 1:
-            return None, result[0]  # the same, as a tuple of one
+        try:
+            result = self.checkpoint.program(x)
+        except Exception as exc:
+            if self.checkpoint.scripted:  # as the fx module says it, not wrapped in a traceback
+                raise interpreter_error(exc) from exc
+            raise
+        alone = tuple(self.modes) in (("embed",), ("predict",))
+        if alone and isinstance(result, Sequence) and len(result) == 1:
+            result = result[0]  # a tuple of one: the one output
+        if alone and isinstance(result, torch.Tensor):
+            # a model serving one mode's output: its embedding, or its predictions
+            return (None, result) if self.modes[0] == "embed" else (result, None)
         if not isinstance(result, Sequence) or len(result) != 2:
-            wanted = "its embedding (a tensor) or " if embeds_only else ""
-            hint = (
-                ""
-                if embeds_only
-                else "; a program returning one tensor, its embedding, serves a model class "
-                "whose modes are ('embed',) (docs/checkpoints.md)"
-            )
             got = type(result).__name__
             if isinstance(result, Sequence):
                 got += f" of {len(result)}"
+            one = (
+                "; a program returning one tensor serves a model that serves embed or predict "
+                'alone ("modes" in model.json, docs/checkpoints.md)'
+                if isinstance(result, torch.Tensor) or got.endswith(" of 1")
+                else ""
+            )
+            wanted = "its output (a tensor) or " if alone else ""
             raise CheckpointError(
-                f"checkpoint {self.checkpoint.path} must return {wanted}(predictions, "
-                f"embedding), got {got}{hint}"
+                f"checkpoint {self.checkpoint.path} must return {wanted}a tuple (predictions, "
+                f"embedding), got {got}{one}"
             )
         return result[0], result[1]
 
@@ -645,8 +683,10 @@ class ServerModel:
         # both outputs). A model serving embed alone need not return predictions at all.
         both: Mode = "predict_with_embedding"
         modes = [both] if both in self.modes else list(self.modes)
+        pair = torch.randint(0, 256, (2, 3, size, size), generator=seeded, dtype=torch.uint8)
+        answers: list[BatchOutput] = []  # the first mode's: to the pair, to its first tile
         for n in (2, 1):
-            probe = torch.randint(0, 256, (n, 3, size, size), generator=seeded, dtype=torch.uint8)
+            probe = pair[:n]
             for mode in modes:
                 try:
                     out = self.forward_batch(probe, mode)
@@ -671,6 +711,44 @@ class ServerModel:
                     self._check_output("predictions", out.predictions, (n, genes))
                 if mode != "predict":
                     self._check_output("embedding", out.embedding, (n, self.assets.embedding_size))
+                if mode == modes[0]:
+                    answers.append(out)
+        if not self.random_outputs:
+            self._check_repeatable(pair, modes[0], *answers)
+
+    def _check_repeatable(
+        self, pair: torch.Tensor, mode: Mode, first: BatchOutput, alone: BatchOutput
+    ) -> None:
+        """The same tiles get the same answers, whether run again or beside other tiles: a
+        module exported in training mode loaded and served answers that changed with each pass
+        (dropout) or with a tile's neighbours in its dynamic batch (a BatchNorm's batch
+        statistics), silently (a user trial). Within a tolerance: kernels for other batch
+        sizes, and reduced precision, round differently."""
+        again = self.forward_batch(pair, mode)
+        cause = ""
+        for name in ("predictions", "embedding"):
+            a, b, c = (getattr(out, name) for out in (first, again, alone))
+            if a is None or b is None or c is None:
+                continue
+            if (gap := _gap(a, b)) is not None:
+                cause = (
+                    f"answers the same tiles differently each time ({name} differ by up to "
+                    f"{gap:.3g} between two passes of one batch): a random op left on, such as "
+                    "dropout"
+                )
+            elif (gap := _gap(a[:1], c)) is not None:
+                cause = (
+                    f"answers a tile differently beside another tile ({name} differ by up to "
+                    f"{gap:.3g} between a tile alone and in a batch of 2): batch statistics, "
+                    "such as a BatchNorm's in training mode"
+                )
+            if cause:
+                raise CheckpointError(
+                    f"checkpoint {self.checkpoint.path} {cause}; was it exported in training "
+                    "mode? Export it after model.eval(). (A model random by design, such as "
+                    "Monte Carlo dropout, is served by a ServerModel subclass with "
+                    "random_outputs = True; docs/checkpoints.md)"
+                )
 
     def _takes_one_tile(self, mode: Mode) -> bool:
         """Whether a pass of one tile works (asked once a probe of two has failed)."""

@@ -16,6 +16,17 @@ original's parameters (no second copy of the weights). The graph returns its out
 tuple); the fx module rebuilds the structure the program returned (one tensor, a tuple, a list,
 a dict) with the export's output spec, so the copy's output node returns that structure itself.
 
+Checks. An op that returns nothing is, to TorchScript, dead code: it drops it. In an exported
+graph such ops are the program's own run-time checks (``torch._assert_async(x.mean() < 2,
+"...")``, ``torch._check`` on a value), which the fx module raises; a model owner's check must
+not vanish in the translation (a user trial: a scripted model answered a tile its own program
+refuses). So the translation raises them itself (:func:`_check_tensor`, :func:`_check_scalar`),
+and a graph with any other op that returns nothing is not scripted. The one dropped on purpose
+is ``_assert_tensor_metadata`` (the dtype and device of a tensor at a ``.to()``: the batch's
+dtype and device are checked before every pass). An error raised inside the interpreter comes
+out wrapped in its traceback; :func:`interpreter_error` unwraps it, so a failing pass reads the
+same whichever way it ran.
+
 Trust. It is used only if it returns exactly what the fx module returns (bit for bit) on the
 model's load-time probe, after the interpreter has optimized the graph; anything else (a graph
 TorchScript cannot compile, a different value, a future torch without TorchScript) keeps the fx
@@ -25,6 +36,7 @@ module, and :func:`script_program` says why.
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -33,7 +45,7 @@ from torch.utils._pytree import tree_unflatten
 
 from .checkpoint import first_line
 
-__all__ = ["bitwise_equal", "script_program", "scripted_equal"]
+__all__ = ["bitwise_equal", "interpreter_error", "script_program", "scripted_equal"]
 
 #: calls of the scripted module before its outputs are compared: TorchScript's profiling
 #: executor runs the graph as written once (one profiled run, torch's default), then optimizes
@@ -50,7 +62,11 @@ def script_program(program: object) -> tuple[torch.jit.ScriptModule | None, str]
         # annotations on every compile.
         warnings.simplefilter("ignore")
         try:
-            scripted = torch.jit.script(_plain_graph_module(program))
+            plain = _plain_graph_module(program)
+        except _Unscriptable as exc:
+            return None, str(exc)
+        try:
+            scripted = torch.jit.script(plain)
         except Exception as exc:
             return None, f"TorchScript could not compile its graph: {_compile_error(exc)}"
     return scripted, "compiled"
@@ -63,14 +79,100 @@ def _plain_graph_module(program: torch.fx.GraphModule) -> torch.fx.GraphModule:
         if node.op == "call_module" and node.target == "_guards_fn":
             # export's Python checks of the input's shape; ServerModel checks it before a pass
             graph.erase_node(node)
-    for node in graph.nodes:
+    for node in list(graph.nodes):
         if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            if node.target in _CHECKS:
+                _raise_in_script(node)
+                continue
+            if node.target in _DROPPED:
+                graph.erase_node(node)
+                continue
+            if not node.target._schema.returns:
+                raise _Unscriptable(
+                    f"its graph calls {node.target}, which returns nothing: TorchScript would "
+                    "drop it"
+                )
             if node.target is torch.ops.aten.sym_size.int:
                 node.target = torch.ops.aten.size.int
             node.target = node.target.overloadpacket  # TorchScript resolves the overload
     _return_as_the_program_does(program, graph)
     graph._codegen = torch.fx.graph.CodeGen()  # plain arguments, not export's pytree
     return torch.fx.GraphModule(program, graph)
+
+
+class _Unscriptable(Exception):
+    """Why a graph is not translated, though TorchScript might compile it."""
+
+
+def _check_tensor(condition: torch.Tensor, message: str) -> None:
+    if not bool(condition):
+        raise RuntimeError(message)
+
+
+def _check_scalar(condition: bool, message: str) -> None:
+    if not condition:
+        raise RuntimeError(message)
+
+
+def _check_tensor_token(condition: torch.Tensor, message: str, token: torch.Tensor) -> torch.Tensor:
+    _check_tensor(condition, message)
+    return token
+
+
+def _check_scalar_token(condition: bool, message: str, token: torch.Tensor) -> torch.Tensor:
+    _check_scalar(condition, message)
+    return token
+
+
+_aten = torch.ops.aten
+#: the program's own checks, raised as the fx module raises them
+_CHECKS: dict[object, Callable[..., object]] = {
+    _aten._assert_async.default: _check_tensor,
+    _aten._assert_async.msg: _check_tensor,
+    _aten._assert_scalar.default: _check_scalar,
+    _aten._functional_assert_async.msg: _check_tensor_token,
+    _aten._functional_assert_scalar.default: _check_scalar_token,
+}
+#: the message of ``torch._assert_async(t)`` with none given, as torch words it
+_ASSERT_ASYNC_MESSAGE = "Expected Tensor with single nonzero value, but got zero"
+_DROPPED = {_aten._assert_tensor_metadata.default}
+
+
+def _raise_in_script(node: torch.fx.Node) -> None:
+    """Make a check node call its TorchScript-compilable twin (which the interpreter keeps)."""
+    target = node.target
+    if target is _aten._assert_async.default:
+        node.args = (node.args[0], _ASSERT_ASYNC_MESSAGE)
+    node.target = _CHECKS[target]
+
+
+#: the last line of an error raised in TorchScript's interpreter: the original error's type
+_ORIGINAL = re.compile(r"(?:builtins\.)?([A-Za-z_]\w*(?:Error|Exception)): ?(.*)")
+_REBUILT: tuple[type[Exception], ...] = (
+    RuntimeError,
+    ValueError,
+    TypeError,
+    IndexError,
+    AssertionError,
+    NotImplementedError,
+)
+
+
+def interpreter_error(exc: BaseException) -> BaseException:
+    """An error raised in TorchScript's interpreter as the fx module would raise it: its type
+    and message without the interpreter's traceback ("The following operation failed in the
+    TorchScript interpreter. ..."); any other error as it is."""
+    text = str(exc)
+    if "TorchScript interpreter" not in text.partition("\n")[0]:
+        return exc
+    lines = text.rstrip("\n").splitlines()
+    for i in range(len(lines) - 1, 0, -1):
+        found = _ORIGINAL.fullmatch(lines[i])
+        if found is not None:
+            name = found.group(1)
+            rebuilt = next((kind for kind in _REBUILT if kind.__name__ == name), RuntimeError)
+            return rebuilt("\n".join([found.group(2), *lines[i + 1 :]]))
+    return exc
 
 
 def _return_as_the_program_does(program: torch.fx.GraphModule, graph: torch.fx.Graph) -> None:
