@@ -1478,6 +1478,49 @@ def test_a_large_batch_goes_as_requests_within_both_budgets_answered_in_order(as
         assert sent == [(len(bodies), sent[0][1])]  # within the defaults: one request
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize("as_bytes", [False, True])
+async def test_an_async_batch_is_sent_as_the_sync_one_is(as_bytes):
+    """``*_batch_async``: the same requests as the sync call (within both budgets, halved
+    where escapes outgrew the plan), sent on the loop, the responses in the bodies' order."""
+    pads = [100, 300, 200, 2500, 50, 50, 50, 50, 400, 400, 10]
+    bodies: list[Any] = [_padded(i, pad, '"') for i, pad in enumerate(pads)]
+    if as_bytes:
+        bodies = [body.encode() for body in bodies]
+    options = {"max_batch_bytes": 1000, "max_batch_requests": 3, "retries": 0}
+    by_sync: list[tuple[int, int]] = []
+    with HttpClient("http://h", transport=_echoing_batches(by_sync), **options) as client:
+        want = client.embed_batch(bodies)
+    by_async: list[tuple[int, int]] = []
+    async with HttpClient("http://h", transport=_echoing_batches(by_async), **options) as client:
+        with anyio.fail_after(30):
+            got = await client.embed_batch_async(bodies)
+    assert got == want and [json.loads(r)["patch_idx"] for r in got] == list(range(len(bodies)))
+    assert by_async == by_sync and len(by_async) > 1
+
+
+@pytest.mark.anyio
+async def test_an_async_batch_refused_names_the_calls_positions(small_server, reference):
+    """Sent as 3 requests of 3, 3 and 1 bodies: the third request's bad body is the call's
+    position 6, as in the sync call; a good call answers as the in-process client does."""
+    bodies = [make_body(i, size=32) for i in range(7)]
+    async with HttpClient(small_server.base_url, max_batch_requests=3) as client:
+        with anyio.fail_after(60):
+            got = await client.predict_with_embedding_batch_async(bodies)
+            expected = reference.predict_with_embedding_batch(bodies)
+            assert all(outputs_close(a, b) for a, b in zip(got, expected, strict=True))
+            bad = [*bodies[:6], "{not json"]
+            with pytest.raises(InvalidRequestError) as info:
+                await client.predict_batch_async(bad)
+    assert info.value.positions == [6]
+    with (
+        HttpClient(small_server.base_url, max_batch_requests=3) as client,
+        pytest.raises(InvalidRequestError) as sync_info,
+    ):
+        client.predict_batch(bad)
+    assert str(info.value) == str(sync_info.value)
+
+
 @pytest.fixture(scope="module")
 def small_server(tiny_model: Any) -> Iterator[ThreadServer]:
     """A server whose limits are below HttpClient's defaults: 512 KiB, 3 bodies a /batch."""

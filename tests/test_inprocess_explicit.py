@@ -1068,3 +1068,68 @@ def test_batch_decode_threads_is_checked(model: CountingModel, value: Any) -> No
 def test_name_is_checked(model: CountingModel, value: Any) -> None:
     with pytest.raises(ValueError, match="name must be a non-empty string"):
         InProcessClient(model, name=value)
+
+
+# -- explicit batches from async code -------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("mode", MODES)
+async def test_an_async_batch_runs_beside_the_loop_and_answers_as_the_sync_one(
+    model: CountingModel, client: InProcessClient, mode: Mode
+) -> None:
+    """``*_batch_async``: the sync call blocked the loop for the whole batch (every other task
+    waited); here the loop opens the model's gate while the batch's first pass waits on it,
+    which a blocked loop never would."""
+    bodies = [make_body(i) for i in range(10)]
+    want = getattr(client, f"{mode}_batch")(bodies)
+    model.reset()
+    model.gate = threading.Event()
+    got: list[str] = []
+
+    async def batch() -> None:
+        got.extend(await getattr(client, f"{mode}_batch_async")(bodies))
+
+    try:
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(batch)
+                await wait_until(model.entered.is_set)
+                model.gate.set()
+    finally:
+        model.gate.set()
+    assert got == want
+    assert [size for size, _ in model.calls] == [4, 4, 2]
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_async_batch_stops_after_the_pass_it_is_in(
+    model: CountingModel, client: InProcessClient
+) -> None:
+    """Cancelled, the call answers nothing and starts no further pass (as a hung-up /batch
+    request): of 5 passes of 4, the one in progress finishes and no other runs."""
+    model.gate = threading.Event()
+    try:
+        with anyio.fail_after(30):
+            with anyio.CancelScope() as scope:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(client.predict_batch_async, [make_body(i) for i in range(20)])
+                    await wait_until(model.entered.is_set)
+                    scope.cancel()
+                    model.gate.set()
+            assert scope.cancelled_caught
+    finally:
+        model.gate.set()
+    assert model.calls == [(4, "predict")]
+    # The client is unharmed: the next call is answered.
+    assert len(await client.embed_batch_async([make_body(1)])) == 1
+
+
+@pytest.mark.anyio
+async def test_an_async_batch_refuses_as_the_sync_one(client: InProcessClient) -> None:
+    bodies = [make_body(0), "{not json", make_body(2), make_body(3, width=100)]
+    with pytest.raises(InvalidRequestError) as sync_info:
+        client.predict_batch(bodies)
+    with anyio.fail_after(30), pytest.raises(InvalidRequestError) as info:
+        await client.predict_batch_async(bodies)
+    assert (str(info.value), info.value.positions) == (str(sync_info.value), [1, 3])

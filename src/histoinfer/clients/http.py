@@ -332,6 +332,26 @@ class HttpClient(ClosingContext):
     def predict_with_embedding_batch(self, bodies: list[str]) -> list[str]:
         return self._infer_batch(bodies, "predict_with_embedding")
 
+    # -- explicit batches from async code (beyond the protocol) --------------------------------
+
+    async def predict_batch_async(
+        self, bodies: list[str], session: object | None = None
+    ) -> list[str]:
+        """``predict_batch`` for async code: its ``/batch`` requests sent on the loop."""
+        return await self._infer_batch_async(bodies, "predict", session)
+
+    async def embed_batch_async(
+        self, bodies: list[str], session: object | None = None
+    ) -> list[str]:
+        """``embed_batch`` for async code: its ``/batch`` requests sent on the loop."""
+        return await self._infer_batch_async(bodies, "embed", session)
+
+    async def predict_with_embedding_batch_async(
+        self, bodies: list[str], session: object | None = None
+    ) -> list[str]:
+        """``predict_with_embedding_batch`` for async code: its requests sent on the loop."""
+        return await self._infer_batch_async(bodies, "predict_with_embedding", session)
+
     # -- lifecycle ---------------------------------------------------------------------------
 
     @property
@@ -413,9 +433,7 @@ class HttpClient(ClosingContext):
         with self._calls.call():
             url = self._url(f"/api/{mode}/{self._model_path}")
             content = _encode_body(body)
-            if session is not None and not isinstance(session, httpx.AsyncClient):
-                kind = type(session).__name__
-                raise TypeError(f"session must be an httpx.AsyncClient, got {kind}")
+            session = _session(session)
             pool = self._loop_pool()
             try:
                 with pool.call():
@@ -436,34 +454,80 @@ class HttpClient(ClosingContext):
         ``max_batch_requests``, sent one after another: the server refuses larger ones (a call
         of 2,000 tiles of 100 KB, one 198 MB request, failed over HTTP and not in-process)."""
         with self._calls.call():
-            _batch_list(bodies)
-            url = self._url(f"/api/{mode}/{self._model_path}/batch")
-            parts, size = _plan_batch(bodies, self.max_batch_bytes, self.max_batch_requests)
-            batch = _Batch(self, len(bodies), size, split=len(parts) > 1)
+            url, batch = self._batch_call(bodies, mode)
             responses: list[str] = []
-            for start, stop in parts:
-                responses += self._send_part(url, bodies, start, stop, batch)
+            for start, stop, content, headers in self._batch_requests(bodies, batch):
+                try:
+                    response = self._send("POST", url, content, headers, batch.refused(start, stop))
+                except InferenceError as exc:
+                    batch.shift(exc, start, stop)
+                    raise
+                del content  # the next request's is built before this one is dropped
+                responses += _split_batch(response, stop - start)
             return responses
 
-    def _send_part(
-        self, url: str, bodies: list[str], start: int, stop: int, batch: _Batch
+    async def _infer_batch_async(
+        self, bodies: list[str], mode: Mode, session: object | None
     ) -> list[str]:
-        """The responses to ``bodies[start:stop]``, one ``/batch`` request (or more, where a
-        verbatim batch's escapes outgrew the plan). A refusal is the whole call's: the answers
-        of the requests before it are dropped."""
+        """``_infer_batch`` on the loop: its requests through the loop's connections."""
+        with self._calls.call():
+            session = _session(session)
+            url, batch = self._batch_call(bodies, mode)
+            pool = self._loop_pool()
+            responses: list[str] = []
+            try:
+                with pool.call():
+                    for start, stop, content, headers in self._batch_requests(bodies, batch):
+                        try:
+                            response = await self._send_async(
+                                pool,
+                                session,
+                                "POST",
+                                url,
+                                content,
+                                headers,
+                                batch.refused(start, stop),
+                            )
+                        except InferenceError as exc:
+                            batch.shift(exc, start, stop)
+                            raise
+                        del content
+                        responses += _split_batch(response, stop - start)
+                return responses
+            finally:
+                if self._calls.closed and not pool.calls:  # as _infer_async's
+                    await pool.close_here()
+
+    def _batch_call(self, bodies: list[str], mode: Mode) -> tuple[str, _Batch]:
+        """The ``/batch`` route of a ``*_batch`` call, and the call as its requests' errors
+        see it."""
+        _batch_list(bodies)
+        url = self._url(f"/api/{mode}/{self._model_path}/batch")
+        parts, size = _plan_batch(bodies, self.max_batch_bytes, self.max_batch_requests)
+        return url, _Batch(self, len(bodies), size, split=len(parts) > 1, parts=parts)
+
+    def _batch_requests(
+        self, bodies: list[str], batch: _Batch
+    ) -> Iterator[tuple[int, int, bytes, dict[str, str]]]:
+        """Each ``/batch`` request of the call, encoded as it is reached (one held at a time):
+        ``(start, stop, content, headers)`` for ``bodies[start:stop]``."""
+        for start, stop in batch.parts:
+            yield from self._encoded_part(bodies, start, stop, batch)
+
+    def _encoded_part(
+        self, bodies: list[str], start: int, stop: int, batch: _Batch
+    ) -> Iterator[tuple[int, int, bytes, dict[str, str]]]:
+        """``bodies[start:stop]`` as one request, or as halves where a verbatim batch's
+        escapes outgrew the plan."""
         content, headers = _encode_batch(bodies[start:stop])
         if len(content) > self.max_batch_bytes and stop - start > 1:
             del content  # not held while the halves are sent
+            batch.split = True
             middle = (start + stop) // 2
-            first = self._send_part(url, bodies, start, middle, batch.split_here())
-            return first + self._send_part(url, bodies, middle, stop, batch.split_here())
-        try:
-            response = self._send("POST", url, content, headers, batch.refused(start, stop))
-        except InferenceError as exc:
-            batch.shift(exc, start, stop)
-            raise
-        del content  # the next request's is built before this frame ends
-        return _split_batch(response, stop - start)
+            yield from self._encoded_part(bodies, start, middle, batch)
+            yield from self._encoded_part(bodies, middle, stop, batch)
+        else:
+            yield start, stop, content, headers
 
     def _send(
         self,
@@ -502,8 +566,9 @@ class HttpClient(ClosingContext):
         url: str,
         content: bytes | None,
         headers: dict[str, str],
+        refused: Callable[[httpx.Response], InferenceError] | None = None,
     ) -> httpx.Response:
-        attempt = _Attempt(self, method, url)
+        attempt = _Attempt(self, method, url, refused)
         while True:
             try:
                 async with _slot_async(pool.slots, self._slot_wait):
@@ -916,19 +981,32 @@ def _size(body: object) -> int:
     return 64  # a placeholder or a type's name (_encode_verbatim)
 
 
+def _session(session: object | None) -> httpx.AsyncClient | None:
+    """A call's ``session``: an ``httpx.AsyncClient`` to send through, or None."""
+    if session is not None and not isinstance(session, httpx.AsyncClient):
+        raise TypeError(f"session must be an httpx.AsyncClient, got {type(session).__name__}")
+    return session
+
+
 class _Batch:
     """One ``*_batch`` call sent as ``/batch`` requests: the errors of each, as the call's."""
 
-    def __init__(self, client: HttpClient, count: int, size: int, *, split: bool) -> None:
+    def __init__(
+        self,
+        client: HttpClient,
+        count: int,
+        size: int,
+        *,
+        split: bool,
+        parts: list[tuple[int, int]],
+    ) -> None:
         self.client = client
         self.count = count
         self.size = size
+        #: whether the call is sent as more than one request
         self.split = split
-
-    def split_here(self) -> _Batch:
-        """The call, now sent as more than one request."""
-        self.split = True
-        return self
+        #: the planned requests, ``(start, stop)`` of the bodies
+        self.parts = parts
 
     def refused(self, start: int, stop: int) -> Callable[[httpx.Response], InferenceError]:
         """The error for a refusal of the request of ``bodies[start:stop]``: a 413 of several

@@ -696,6 +696,36 @@ class InProcessClient(ClosingContext):
     def predict_with_embedding_batch(self, bodies: list[str]) -> list[str]:
         return self.infer_batch(bodies, "predict_with_embedding")
 
+    # -- explicit batches from async code (beyond the protocol) --------------------------------
+
+    async def predict_batch_async(
+        self, bodies: list[str], session: object | None = None
+    ) -> list[str]:
+        """``predict_batch`` for async code: the same call, run on a worker thread."""
+        return await self.infer_batch_async(bodies, "predict")
+
+    async def embed_batch_async(
+        self, bodies: list[str], session: object | None = None
+    ) -> list[str]:
+        """``embed_batch`` for async code: the same call, run on a worker thread."""
+        return await self.infer_batch_async(bodies, "embed")
+
+    async def predict_with_embedding_batch_async(
+        self, bodies: list[str], session: object | None = None
+    ) -> list[str]:
+        """``predict_with_embedding_batch`` for async code: the same call, on a worker thread."""
+        return await self.infer_batch_async(bodies, "predict_with_embedding")
+
+    async def infer_batch_async(self, bodies: list[str], mode: Mode) -> list[str]:
+        """``infer_batch`` on a worker thread, so that the loop goes on while the batch runs
+        (the sync call blocks it: every other task, a server's every request, waits). Cancelled,
+        the call stops at its next slice of decoding or forward pass, as a hung-up ``/batch``
+        request does, and answers nothing; nothing after that point is computed."""
+        call = partial(
+            self.infer_batch, bodies, mode, check_cancelled=anyio.from_thread.check_cancelled
+        )
+        return await anyio.to_thread.run_sync(call)
+
     # -- observability -----------------------------------------------------------------------
 
     def stats(self) -> dict[Mode, StatsSnapshot]:
