@@ -1133,3 +1133,38 @@ async def test_an_async_batch_refuses_as_the_sync_one(client: InProcessClient) -
     with anyio.fail_after(30), pytest.raises(InvalidRequestError) as info:
         await client.predict_batch_async(bodies)
     assert (str(info.value), info.value.positions) == (str(sync_info.value), [1, 3])
+
+
+@pytest.mark.anyio
+async def test_aclose_waits_for_an_async_batch_not_yet_on_its_thread(
+    model: CountingModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression (a review): the call was counted in flight only once a worker thread took
+    it, so an ``aclose()`` in between closed the client under it (ClientClosedError), against
+    "finish the work in flight"."""
+    client = InProcessClient(model, max_batch_size=4, dynamic_batching=False)
+    real = anyio.to_thread.run_sync
+    on_its_way, go = anyio.Event(), anyio.Event()
+
+    async def late(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if not on_its_way.is_set():  # the batch's hop to its thread, held back
+            on_its_way.set()
+            await go.wait()
+        return await real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(anyio.to_thread, "run_sync", late)
+    got: list[str] = []
+
+    async def batch() -> None:
+        got.extend(await client.predict_batch_async([make_body(i) for i in range(6)]))
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(batch)
+            await on_its_way.wait()
+            tg.start_soon(client.aclose)
+            await wait_until(lambda: client.closed)
+            go.set()
+    assert [json.loads(r)["patch_idx"] for r in got] == list(range(6))
+    with pytest.raises(ClientClosedError):
+        await client.predict_batch_async([make_body(0)])

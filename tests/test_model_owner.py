@@ -20,8 +20,9 @@ from torch import nn
 
 from histoinfer import InProcessClient
 from histoinfer.errors import ModelExecutionError, UnsupportedModeError
+from histoinfer.models import BatchOutput
 from histoinfer.models.h1 import H1ServerModel
-from histoinfer.schema import ModelRequest
+from histoinfer.schema import Mode, ModelRequest
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -130,7 +131,7 @@ def test_dropout_left_on_is_refused_at_load(copy_of_tiny: Path) -> None:
 
 
 class _MonteCarlo(H1ServerModel):
-    random_outputs = True
+    repeatable_outputs = False
 
 
 def test_a_model_random_by_design_may_say_so(copy_of_tiny: Path) -> None:
@@ -246,4 +247,22 @@ def test_a_misspelt_model_json_key_names_the_key_it_is_close_to(copy_of_tiny: Pa
     load_fails(
         copy_of_tiny / "model.pt2",
         "genenames: Extra inputs are not permitted (did you mean 'gene_names'?)",
+    )
+
+
+class _Jittered(H1ServerModel):
+    """Test-time noise of its own, in its forward_batch: the program itself is fine."""
+
+    def forward_batch(self, batch: torch.Tensor, mode: Mode) -> BatchOutput:
+        out = super().forward_batch(batch, mode)
+        noisy = {
+            name: None if value is None else value + torch.randn_like(value)
+            for name, value in (("predictions", out.predictions), ("embedding", out.embedding))
+        }
+        return BatchOutput(**noisy)
+
+
+def test_a_random_forward_batch_of_a_subclass_is_named(tiny_checkpoint: Path) -> None:
+    load_fails(
+        tiny_checkpoint, "differently each time", "is _Jittered.forward_batch random", cls=_Jittered
     )

@@ -310,3 +310,66 @@ def test_scripted_equal_names_a_different_structure() -> None:
     assert scripted_equal(pair, lambda x: (x * 2, x.sum(dim=1) + 1), batches) == (
         "the scripted graph's outputs differ on a batch of 2"
     )
+
+
+# -- the program's own checks ----------------------------------------------------------------
+
+
+class _Checks(torch.nn.Module):
+    """A run-time check of the kind a model owner writes, on a value of the batch."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.kind == "assert_async":  # no message of its own: torch's
+            torch._assert_async(x.amax() < 2.0)
+        elif self.kind == "assert_async_msg":
+            torch._assert_async(x.amax() < 2.0, "tile too bright")
+        else:  # torch._check on a Python number: export's _assert_scalar
+            torch._check(x.amax().item() < 2.0)
+        return x.mean(dim=(2, 3)), x.amax(dim=(2, 3))
+
+
+def _program(module: torch.nn.Module) -> torch.fx.GraphModule:
+    batch = torch.export.Dim("batch", min=1, max=64)
+    program = torch.export.export(
+        module, (torch.zeros(2, 3, 8, 8),), dynamic_shapes={"x": {0: batch}}
+    )
+    return program.module()  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("kind", ["assert_async", "assert_async_msg", "check_scalar"])
+def test_the_programs_own_checks_are_raised_by_the_scripted_graph(kind: str) -> None:
+    """Regression: TorchScript drops an op that returns nothing as dead code, so the scripted
+    graph answered what its program refuses (a user trial)."""
+    from histoinfer.models.scripted import interpreter_error
+
+    fx = _program(_Checks(kind))
+    scripted, why = script_program(fx)
+    assert scripted is not None, why
+    fine, bright = torch.zeros(2, 3, 8, 8), torch.full((2, 3, 8, 8), 3.0)
+    assert scripted_equal(fx, scripted, [fine, fine[:1]]) is None
+    with pytest.raises(RuntimeError) as want:
+        fx(bright)
+    for _ in range(3):  # the optimized graph too (the interpreter optimizes after a call)
+        with pytest.raises(Exception) as got:  # torch.jit.Error: unwrapped below
+            scripted(bright)
+        unwrapped = interpreter_error(got.value)
+        assert (type(unwrapped), str(unwrapped)) == (RuntimeError, str(want.value))
+        scripted(fine)
+
+
+def test_a_graph_with_another_op_that_returns_nothing_keeps_the_fx_module() -> None:
+    fx = _program(_Checks("assert_async_msg"))
+    output = next(node for node in fx.graph.nodes if node.op == "output")
+    with fx.graph.inserting_before(output):
+        fx.graph.call_function(torch.ops.aten._print.default, ("a side effect",))
+    fx.recompile()
+    scripted, why = script_program(fx)
+    assert scripted is None
+    assert (
+        why
+        == "its graph calls aten._print.default, which returns nothing: TorchScript would drop it"
+    )

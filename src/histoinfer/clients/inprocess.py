@@ -721,10 +721,13 @@ class InProcessClient(ClosingContext):
         (the sync call blocks it: every other task, a server's every request, waits). Cancelled,
         the call stops at its next slice of decoding or forward pass, as a hung-up ``/batch``
         request does, and answers nothing; nothing after that point is computed."""
-        call = partial(
-            self.infer_batch, bodies, mode, check_cancelled=anyio.from_thread.check_cancelled
-        )
-        return await anyio.to_thread.run_sync(call)
+        # Counted in flight from here, not from when a worker thread takes it: aclose()
+        # waits for it then too (a review).
+        with self._calls.call():
+            work = partial(self._infer_batch, bodies, mode, anyio.from_thread.check_cancelled)
+            # A limiter of its own: one of the loop's 40 shared threads held for a whole
+            # slide's batch would starve everything else that uses them.
+            return await anyio.to_thread.run_sync(work, limiter=anyio.CapacityLimiter(1))
 
     # -- observability -----------------------------------------------------------------------
 
@@ -943,35 +946,38 @@ class InProcessClient(ClosingContext):
         client hung up stops within one pass instead of computing every tile.
         """
         with self._calls.call():
-            if not isinstance(bodies, list):
-                raise InvalidRequestError(
-                    f"bodies must be a list of JSON strings, got {type(bodies).__name__}"
-                )
-            self.server_model.check_mode(mode)
-            check = check_cancelled or _never_cancelled
-            prepared: list[Prepared] = []
-            refusal = BatchRefusal()
-            for position, decoded in enumerate(self._decode_batch(bodies, mode, check)):
-                if isinstance(decoded, InferenceError):
-                    refusal.add(position, decoded)
-                    prepared.clear()  # nothing will be computed: its tiles need not be held
-                elif not refusal:
-                    prepared.append(decoded)
-            if refusal:
-                raise refusal.error(len(bodies))
-            responses: list[str] = []
-            for start in range(0, len(prepared), self.max_batch_size):
-                check()
-                chunk = prepared[start : start + self.max_batch_size]
-                outputs = self._forward_chunk(chunk, mode, start)
-                for i, ((request, _), output) in enumerate(zip(chunk, outputs, strict=True)):
-                    try:
-                        responses.append(self._finish(request, output, mode, start + i))
-                    except ModelExecutionError as exc:  # postprocess: counted as a single call's
-                        self._stats[mode].record_error(type(exc).__name__)
-                        exc.positions = [start + i]
-                        raise
-            return responses
+            return self._infer_batch(bodies, mode, check_cancelled or _never_cancelled)
+
+    def _infer_batch(self, bodies: list[str], mode: Mode, check: Callable[[], object]) -> list[str]:
+        """``infer_batch``'s work, within a call counted in flight by its caller."""
+        if not isinstance(bodies, list):
+            raise InvalidRequestError(
+                f"bodies must be a list of JSON strings, got {type(bodies).__name__}"
+            )
+        self.server_model.check_mode(mode)
+        prepared: list[Prepared] = []
+        refusal = BatchRefusal()
+        for position, decoded in enumerate(self._decode_batch(bodies, mode, check)):
+            if isinstance(decoded, InferenceError):
+                refusal.add(position, decoded)
+                prepared.clear()  # nothing will be computed: its tiles need not be held
+            elif not refusal:
+                prepared.append(decoded)
+        if refusal:
+            raise refusal.error(len(bodies))
+        responses: list[str] = []
+        for start in range(0, len(prepared), self.max_batch_size):
+            check()
+            chunk = prepared[start : start + self.max_batch_size]
+            outputs = self._forward_chunk(chunk, mode, start)
+            for i, ((request, _), output) in enumerate(zip(chunk, outputs, strict=True)):
+                try:
+                    responses.append(self._finish(request, output, mode, start + i))
+                except ModelExecutionError as exc:  # postprocess: counted as a single call's
+                    self._stats[mode].record_error(type(exc).__name__)
+                    exc.positions = [start + i]
+                    raise
+        return responses
 
     def _decode_batch(
         self, bodies: list[str], mode: Mode, check: Callable[[], object]

@@ -168,6 +168,8 @@ def _gap(a: torch.Tensor, b: torch.Tensor) -> float | None:
     if a.numel() == 0:
         return None
     gap = float((a - b).abs().max())
+    if math.isnan(gap):  # a pass answered NaN (or infinity) where the other did not
+        return float("inf")
     scale = max(float(a.abs().max()), float(b.abs().max()))
     return gap if gap > _REPEAT_TOLERANCE * scale + 1e-6 else None
 
@@ -210,10 +212,11 @@ class ServerModel:
     #: it is only if the program returns exactly what it returns on a contiguous batch on the
     #: load-time probe. Set it to False to always pass contiguous batches.
     channels_last_batches: ClassVar[bool] = True
-    #: Whether the model's answers are random by design (Monte Carlo dropout): the load-time
-    #: check that a tile gets the same answer twice, alone or beside another, is then skipped.
-    #: Left False, a module exported in training mode (dropout on, batch statistics) is refused.
-    random_outputs: ClassVar[bool] = False
+    #: Whether a tile's answer is the same each time, and whatever tiles share its batch: the
+    #: load-time probe checks it, refusing a module exported in training mode (dropout on,
+    #: batch statistics). Set it to False in a subclass whose answers are random by design
+    #: (Monte Carlo dropout) or depend on the batch by design: the check is then skipped.
+    repeatable_outputs: ClassVar[bool] = True
     #: Limits on one tile's encoded size and decoded pixel count.
     max_image_bytes: ClassVar[int] = 32 * 1024 * 1024
     max_image_pixels: ClassVar[int] = 4096 * 4096
@@ -554,9 +557,10 @@ class ServerModel:
         try:
             result = self.checkpoint.program(x)
         except Exception as exc:
-            if self.checkpoint.scripted:  # as the fx module says it, not wrapped in a traceback
-                raise interpreter_error(exc) from exc
-            raise
+            unwrapped = interpreter_error(exc) if self.checkpoint.scripted else exc
+            if unwrapped is exc:
+                raise
+            raise unwrapped from exc  # as the fx module says it, not in TorchScript's traceback
         alone = tuple(self.modes) in (("embed",), ("predict",))
         if alone and isinstance(result, Sequence) and len(result) == 1:
             result = result[0]  # a tuple of one: the one output
@@ -717,7 +721,7 @@ class ServerModel:
                     self._check_output("embedding", out.embedding, (n, self.assets.embedding_size))
                 if mode == modes[0]:
                     answers.append(out)
-        if not self.random_outputs:
+        if self.repeatable_outputs:
             self._check_repeatable(pair, modes[0], *answers)
 
     def _check_repeatable(
@@ -747,11 +751,17 @@ class ServerModel:
                     "such as a BatchNorm's in training mode"
                 )
             if cause:
+                culprit = (
+                    f"; is {type(self).__name__}.forward_batch random, or was the program "
+                    "exported in training mode?"
+                    if self._forward_batch_overridden()
+                    else "; was it exported in training mode?"
+                )
                 raise CheckpointError(
-                    f"checkpoint {self.checkpoint.path} {cause}; was it exported in training "
-                    "mode? Export it after model.eval(). (A model random by design, such as "
-                    "Monte Carlo dropout, is served by a ServerModel subclass with "
-                    "random_outputs = True; docs/checkpoints.md)"
+                    f"checkpoint {self.checkpoint.path} {cause}{culprit} Export it after "
+                    "model.eval(). (A model random or batch-dependent by design, such as Monte "
+                    "Carlo dropout, is served by a ServerModel subclass with "
+                    "repeatable_outputs = False; docs/checkpoints.md)"
                 )
 
     def _takes_one_tile(self, mode: Mode) -> bool:
