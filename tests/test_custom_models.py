@@ -210,7 +210,7 @@ async def test_a_pass_raising_a_base_exception_fails_only_its_own_request(
 
     model, _ = hooked_model(tiny_model, refuse_blank)
     bodies = [_solid_body(i) if i == BAD else make_body(i) for i in range(6)]
-    message = rf"forward pass failed for patch_idx={BAD} .*ThreadAbortedError.*_Blank"
+    message = rf"^model 'h1': forward pass failed for patch_idx={BAD} .*ThreadAbortedError.*_Blank"
     with InProcessClient(model, max_wait_ms=50) as dynamic:
         outcomes = await _all_at_once(dynamic, bodies)
         with anyio.fail_after(60):

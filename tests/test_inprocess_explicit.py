@@ -757,7 +757,7 @@ def test_a_batch_names_its_failing_tiles_and_its_non_finite_ones_together(
         client.predict_batch(bodies)
     message = str(info.value)
     failed, _, non_finite = message.partition("; and ")
-    assert failed.startswith("forward pass failed for batch position 1 (patch_idx=1")
+    assert failed.startswith("model 'h1': forward pass failed for batch position 1 (patch_idx=1")
     assert "poisoned tile" in failed and "batch position 2" not in failed
     assert "non-finite" in non_finite and "batch position 2 (patch_idx=2" in non_finite
     assert "batch position 0" not in message and "batch position 3" not in message
@@ -1168,3 +1168,48 @@ async def test_aclose_waits_for_an_async_batch_not_yet_on_its_thread(
     assert [json.loads(r)["patch_idx"] for r in got] == list(range(6))
     with pytest.raises(ClientClosedError):
         await client.predict_batch_async([make_body(0)])
+
+
+@pytest.mark.anyio
+async def test_an_async_batch_cancelled_natively_stops_and_aclose_waits_for_it(
+    model: CountingModel, anyio_backend: str
+) -> None:
+    """Regression (a user trial): asyncio's own cancellation (``task.cancel()``,
+    ``asyncio.timeout``, Ctrl-C in ``asyncio.run``) ended the await at once, which
+    ``check_cancelled`` cannot see: the thread computed the whole batch, past ``aclose()``.
+    Now it stops after the pass it is in, and ``aclose()`` waits for that. (On trio, its own
+    cancel scope: anyio's check sees it.)"""
+    client = InProcessClient(model, max_batch_size=4, dynamic_batching=False)
+    bodies = [make_body(i) for i in range(20)]  # 5 passes of 4
+    model.gate = threading.Event()
+    try:
+        with anyio.fail_after(30):
+            if anyio_backend == "asyncio":
+                import asyncio
+
+                task = asyncio.ensure_future(client.predict_batch_async(bodies))
+                await wait_until(model.entered.is_set)
+                task.cancel()
+                model.gate.set()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            else:
+                import trio
+
+                async with trio.open_nursery() as nursery:
+                    scope = trio.CancelScope()
+
+                    async def batch() -> None:
+                        with scope:
+                            await client.predict_batch_async(bodies)
+
+                    nursery.start_soon(batch)
+                    await wait_until(model.entered.is_set)
+                    scope.cancel()
+                    model.gate.set()
+            await client.aclose()
+            assert model.calls == [(4, "predict")]
+            await anyio.sleep(0.3)  # nothing more runs
+    finally:
+        model.gate.set()
+    assert model.calls == [(4, "predict")]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,18 @@ def test_a_second_load_reads_the_kept_translation_and_answers_alike(
     a, b = first.forward_batch(batch, mode), second.forward_batch(batch, mode)
     assert torch.equal(a.predictions, b.predictions)
     assert torch.equal(a.embedding, b.embedding)
+
+
+def test_the_cache_works_where_deprecation_warnings_are_errors(
+    tiny_checkpoint: Path, cache: Path
+) -> None:
+    """Regression (a user trial): torch's DeprecationWarning for torch.jit.load/save, raised
+    under ``-W error``, was taken for a damaged entry: none was ever written or read."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        build_server_model("h1", tiny_checkpoint)
+        assert len(entries(cache)) == 1
+        assert build_server_model("h1", tiny_checkpoint).checkpoint.scripted
 
 
 def test_a_damaged_entry_is_ignored_and_written_again(tiny_checkpoint: Path, cache: Path) -> None:

@@ -212,14 +212,58 @@ def _forward_jobs(
     return [refusals[i] if i in refusals else next(outputs) for i in range(len(jobs))]
 
 
-async def _forwarded(slot: Reservation[_Job, SampleOutput], job: _Job) -> SampleOutput:
+async def _forwarded(
+    slot: Reservation[_Job, SampleOutput], job: _Job, model: ServerModel
+) -> SampleOutput:
     """``job``'s output from its loop's forward scheduler; a failed pass names the request."""
     try:
         return await slot.submit(job)
     except (InferenceError, _TooBigHere):
         raise
     except Exception as exc:
-        raise _execution_error(job.request, exc) from exc
+        raise _execution_error(model, job.request, exc) from exc
+
+
+class _CallerGone(Exception):
+    """Raised on a worker thread whose caller has gone (its result goes nowhere)."""
+
+
+class _ThreadCall:
+    """One call's work on a worker thread, counted in flight from its coroutine until the work
+    ends (or is known never to start), and stopped at its next check once its caller has gone
+    by any cancellation: anyio's, which ``check_cancelled`` sees, or asyncio's own
+    (``task.cancel()``, ``asyncio.timeout``, Ctrl-C in ``asyncio.run``), which ends the await at
+    once and left the thread computing the whole batch, past ``aclose()`` (a user trial)."""
+
+    def __init__(self, calls: InFlight) -> None:
+        calls.enter()  # from here, not from when a thread takes it: aclose() waits (a review)
+        self._calls = calls
+        self._lock = threading.Lock()
+        self._state: Literal["waiting", "running", "abandoned"] = "waiting"
+        self._left = threading.Event()
+
+    def check(self) -> None:
+        if self._left.is_set():
+            raise _CallerGone
+        anyio.from_thread.check_cancelled()
+
+    def run(self, work: Callable[[Callable[[], None]], T]) -> T | None:
+        """``work(check)``, on the worker thread; None if its caller left before it started."""
+        with self._lock:
+            if self._state == "abandoned":
+                return None
+            self._state = "running"
+        try:
+            return work(self.check)
+        finally:
+            self._calls.exit()
+
+    def caller_left(self) -> None:
+        self._left.set()
+        with self._lock:
+            if self._state == "waiting":  # the thread never took it: nobody else will count it out
+                self._state = "abandoned"
+                self._calls.exit()
 
 
 class _TooBigHere(Exception):
@@ -721,13 +765,18 @@ class InProcessClient(ClosingContext):
         (the sync call blocks it: every other task, a server's every request, waits). Cancelled,
         the call stops at its next slice of decoding or forward pass, as a hung-up ``/batch``
         request does, and answers nothing; nothing after that point is computed."""
-        # Counted in flight from here, not from when a worker thread takes it: aclose()
-        # waits for it then too (a review).
-        with self._calls.call():
-            work = partial(self._infer_batch, bodies, mode, anyio.from_thread.check_cancelled)
+        call = _ThreadCall(self._calls)
+        try:
             # A limiter of its own: one of the loop's 40 shared threads held for a whole
             # slide's batch would starve everything else that uses them.
-            return await anyio.to_thread.run_sync(work, limiter=anyio.CapacityLimiter(1))
+            result = await anyio.to_thread.run_sync(
+                call.run, partial(self._infer_batch, bodies, mode), limiter=anyio.CapacityLimiter(1)
+            )
+        except BaseException:
+            call.caller_left()
+            raise
+        assert result is not None  # None only for a call whose caller had left
+        return result
 
     # -- observability -----------------------------------------------------------------------
 
@@ -802,12 +851,12 @@ class InProcessClient(ClosingContext):
                     if self._alone(body, others=state.admitted() - 1):
                         job = _Job(body=body)  # decoded on the device's thread
                         try:
-                            output = await _forwarded(slot, job)
+                            output = await _forwarded(slot, job, self.server_model)
                         except _TooBigHere:  # too big an image to decode there: as any other
                             slot.reopen()
                     if output is None:  # a bad body is refused here (the decode stage returns it)
                         job = _Job(*await self._decoded(state, body, mode, slot))
-                        output = await _forwarded(slot, job)
+                        output = await _forwarded(slot, job, self.server_model)
             else:
                 job, output = await self._infer_unbatched(state, body, mode, wait_for_room)
             assert job.request is not None
@@ -902,7 +951,7 @@ class InProcessClient(ClosingContext):
             if future.cancelled():  # the device had not got to it by the deadline
                 raise self._deadline_exceeded(mode, "the device was busy with other work") from None
             self._stats[mode].record_error(type(exc).__name__)
-            raise _execution_error(job.request, exc) from exc
+            raise _execution_error(self.server_model, job.request, exc) from exc
         if isinstance(result, (InferenceError, _TooBigHere)):
             raise result  # a lone body refused: nothing ran
         self._stats[mode].record_batch(1, (), ran_s)
@@ -1043,11 +1092,13 @@ class InProcessClient(ClosingContext):
             for i, ((request, _), output) in enumerate(zip(chunk, outputs, strict=True))
             if output is not None and not output.finite
         }
-        problems = ["forward pass failed for " + "; ".join(failing.values())] if failing else []
+        name = self.server_model.metadata().name
+        failed = f"model {name!r}: forward pass failed for " + "; ".join(failing.values())
+        problems = [failed] if failing else []
         if non_finite:
             self._stats[mode].record_error(ModelExecutionError.__name__)
             where = "for " + "; ".join(non_finite.values())
-            problems.append(str(non_finite_error(self.server_model.metadata().name, where)))
+            problems.append(str(non_finite_error(name, where)))
         if problems:
             error = ModelExecutionError("; and ".join(problems))
             error.positions = sorted([*failing, *non_finite])
@@ -1206,6 +1257,10 @@ def _remaining(deadline: float | None) -> float | None:
     return None if deadline is None else deadline - time.perf_counter()
 
 
-def _execution_error(request: ModelRequest | None, exc: BaseException) -> ModelExecutionError:
+def _execution_error(
+    model: ServerModel, request: ModelRequest | None, exc: BaseException
+) -> ModelExecutionError:
+    """A failed pass, worded as the model's other failures are ("model 'h1': ...")."""
     where = request.where() if request is not None else "a request"
-    return ModelExecutionError(f"forward pass failed for {where}: {exc!r}")
+    name = model.metadata().name
+    return ModelExecutionError(f"model {name!r}: forward pass failed for {where}: {exc!r}")
