@@ -1730,3 +1730,39 @@ def test_options_both_httpx_clients_take_are_accepted():
 def test_batch_budgets_are_counts(option, value):
     with pytest.raises(ValueError, match=f"{option} must be an int >= 1, got"):
         HttpClient("http://127.0.0.1:1", **{option: value})
+
+
+@pytest.mark.anyio
+async def test_a_call_cancelled_while_its_body_is_sent_leaves_nothing_to_warn_of():
+    """Regression (a user trial): httpx's own request stream iterates its body with an async
+    generator, left unfinished by a call cancelled while it was sent; on trio its collection
+    printed a ResourceWarning for every such call. Here the server never reads, so the body
+    (larger than the sockets' buffers) is still being sent when the call is cancelled."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(listener.accept()[0])  # and never read from
+
+    threading.Thread(target=accept, daemon=True).start()
+    body = json.dumps({"pad": "x" * 32_000_000})
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            async with HttpClient(url, retries=0) as client:
+                for _ in range(3):
+                    with anyio.move_on_after(0.3) as scope:
+                        await client.predict_async(body)
+                    assert scope.cancelled_caught
+            gc.collect()
+            await anyio.sleep(0.1)  # a finalizer the loop runs
+            gc.collect()
+    finally:
+        listener.close()
+        for connection in held:
+            connection.close()
+    generators = [w for w in caught if "garbage collected" in str(w.message)]
+    assert not generators, [str(w.message) for w in generators]

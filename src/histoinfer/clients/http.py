@@ -578,11 +578,12 @@ class HttpClient(ClosingContext):
             try:
                 async with _slot_async(pool.slots, self._slot_wait):
                     with pool.lease(session) as client:
-                        response = _unbound(
-                            await client.request(
-                                method, url, content=content, headers=headers, timeout=self._timeout
-                            )
+                        request = client.build_request(
+                            method, url, content=content, headers=headers, timeout=self._timeout
                         )
+                        if content is not None:
+                            request.stream = _RequestBody(content)
+                        response = _unbound(await client.send(request))
             except httpx.HTTPError as exc:
                 delay = attempt.failed(exc)
             except RuntimeError as exc:
@@ -1049,6 +1050,36 @@ class _Batch:
             f"in the /batch request holding {held} of this call's {self.count} ({add}"
             f"error.positions are the call's; nothing is returned): {said}",
         )
+
+
+class _RequestBody(httpx.AsyncByteStream):
+    """A request's content sent by an async client: as httpx's own ``ByteStream``, but its
+    ``__aiter__`` is not an async generator. A call cancelled while httpx sends the body left
+    that generator unfinished, and on trio (whose every send is a checkpoint) its collection
+    printed a ResourceWarning, "Async generator 'httpx._content.ByteStream.__aiter__' was
+    garbage collected before it had been exhausted", for every such call (a user trial)."""
+
+    def __init__(self, content: bytes) -> None:
+        self._content = content
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return _Once(self._content)
+
+
+class _Once:
+    """An async iterator of one chunk (each retry of a request starts a new one)."""
+
+    def __init__(self, chunk: bytes) -> None:
+        self._chunk: bytes | None = chunk
+
+    def __aiter__(self) -> _Once:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._chunk is None:
+            raise StopAsyncIteration
+        chunk, self._chunk = self._chunk, None
+        return chunk
 
 
 def _unbound(response: httpx.Response) -> httpx.Response:
