@@ -13,12 +13,13 @@ from __future__ import annotations
 import base64
 import io
 import json
-import os
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 
 import numpy as np
 from PIL import Image
+
+from ..cpus import usable_cpus
 
 __all__ = ["make_bodies", "tile_png", "tissue_tile"]
 
@@ -99,5 +100,5 @@ def make_bodies(n: int, *, seed: int = 0, size: int = 224, slide: str = "bench-s
         )
 
     # numpy and zlib release the GIL: building in threads uses every core.
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+    with ThreadPoolExecutor(max_workers=usable_cpus()) as pool:
         return list(pool.map(body, range(n)))

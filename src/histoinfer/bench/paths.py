@@ -8,7 +8,6 @@ requests outstanding.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -22,6 +21,7 @@ import anyio.from_thread
 import torch
 
 from ..clients.inprocess import InProcessClient
+from ..cpus import usable_cpus
 from ..extras import install_hint
 from ..models import shards
 from ..models.base import ServerModel, stack_tiles
@@ -230,7 +230,7 @@ class ExplicitParallelDecode(ExplicitLoop):
     label = "explicit predict_batch loop, batch_decode_threads = CPU count"
 
     def client_options(self) -> dict[str, Any]:
-        return {"batch_decode_threads": os.cpu_count() or 1}
+        return {"batch_decode_threads": usable_cpus()}
 
 
 class DynamicAsync(_ClientPath):

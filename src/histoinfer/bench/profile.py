@@ -22,7 +22,6 @@ import base64
 import binascii
 import io
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -212,7 +211,9 @@ def cpu_budget(steps: list[dict[str, Any]]) -> dict[str, float]:
     by_name = {row["step"]: row for row in steps}
     wall = sum(by_name[name]["us_per_tile"] for name in PIPELINE)
     cpu = sum(by_name[name]["cpu_us_per_tile"] for name in PIPELINE)
-    cores = os.cpu_count() or 1
+    from ..cpus import usable_cpus
+
+    cores = usable_cpus()
     forward = by_name["forward (64 tiles, incl. normalize)"]["us_per_tile"]
     explicit = 1e6 / wall
     ceiling = min(cores * 1e6 / cpu, 1e6 / forward)

@@ -178,6 +178,14 @@ def _paths_legend(paths: Iterable[str]) -> str:
     return "Paths: " + "; ".join(described) + " (details: docs/benchmarks.md)."
 
 
+def _cpus(env: dict[str, Any]) -> str:
+    """The CPUs the bench ran on, and the machine's where the process had fewer."""
+    cpus, machine = env["cpus"], env.get("machine_cpus")
+    return f"{cpus} CPUs" + (
+        f" (of the machine's {machine})" if machine not in (None, cpus) else ""
+    )
+
+
 def _libraries(env: dict[str, Any]) -> str:
     """The async libraries and the peer, as installed (reports from before session 25 have
     none: anyio's read null)."""
@@ -196,7 +204,7 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"`{report['command']}` — {report['date']}, {report['seconds']} s",
         "",
-        f"{env['cpus']} CPUs, torch {env['torch']} ({env['torch_threads']} threads), "
+        f"{_cpus(env)}, torch {env['torch']} ({env['torch_threads']} threads), "
         f"Python {env['python']}, {_libraries(env)}CUDA: {env['cuda']}, commit {env['commit']}, "
         f"load average {_load(env['load_average'])} → {_load(env.get('load_average_end'))}. "
         f"max_batch_size {cfg['max_batch_size']}, max_wait_ms {cfg['max_wait_ms']}"

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from ..cpus import usable_cpus
 from ..extras import install_hint
 from ..schema import MODES, Mode
 from .bodies import make_bodies
@@ -887,7 +888,8 @@ def environment() -> dict[str, Any]:
         "commit": _git_commit(),
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "cpus": os.cpu_count(),
+        "cpus": usable_cpus(),
+        "machine_cpus": os.cpu_count(),
         # anyio has no __version__ (this read null until session 25): ask the installation
         **{name: _installed(name) for name in ("anyio", "trio", "async-batcher")},
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,

@@ -64,6 +64,7 @@ from ..batching import (
 )
 from ..batching.admission import Admission, deadline_exceeded, deadline_from
 from ..batching.scheduler import warn_if_batches_cannot_fill
+from ..cpus import usable_cpus
 from ..errors import (
     ClientClosedError,
     DeadlineExceededError,
@@ -1219,7 +1220,7 @@ def _default_prepare_threads(model: ServerModel) -> int:
     dynamic batching 1.20-1.22x the explicit loop, 1 thread 1.15x (docs/benchmarks-history.md,
     "Session 5"). On an accelerator the CPU is free for decoding.
     """
-    cores = os.cpu_count() or 2
+    cores = usable_cpus()
     if model.device.type == "cpu":
         threads = torch.get_num_threads()
         return cores if shards.available(model, threads) else max(1, cores - threads)
