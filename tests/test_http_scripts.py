@@ -57,9 +57,11 @@ def test_server_loop_compares_two_versions(workdir: Path) -> None:
 
 @pytest.mark.timeout(240)
 def test_server_loop_measures_both_parsers(workdir: Path) -> None:
-    out = _run("server_loop.py", workdir)
+    # A thread's CPU is read in clock ticks (10 ms): 8 requests of ~0.6 ms each read 0 on a
+    # fast host (session 29's), so the loop's CPU may be 0 here; its throughput may not.
+    out = _run("server_loop.py", workdir, "--bodies", "32")
     parsers = re.findall(
         r"^ +(h11|httptools): +([\d.]+) tiles/s, the server's event loop ([\d.]+) ms", out, re.M
     )
     assert [name for name, _, _ in parsers] == ["h11", "httptools"], out
-    assert all(float(t) > 0 and float(ms) > 0 for _, t, ms in parsers)
+    assert all(float(t) > 0 and float(ms) >= 0 for _, t, ms in parsers)
