@@ -1254,11 +1254,13 @@ def test_refusals_of_different_kinds_are_throttled_apart(caplog) -> None:
         OverloadedError("h1:predict: queue full (8 requests admitted); retry later"),
         OverloadedError(
             "the server holds 4000000 bytes of request bodies, and 201251 more of this one's do "
-            "not fit in its limit of 4194304 bytes (--max-bodies-mb); retry later"
+            "not fit in its limit of 4194304 bytes (--max-bodies-mb, create_app's max_held_bytes); "
+            "retry later"
         ),
         OverloadedError(
             "the server holds 3990000 bytes of request bodies, and 201251 more of this one's do "
-            "not fit in its limit of 4194304 bytes (--max-bodies-mb); retry later"
+            "not fit in its limit of 4194304 bytes (--max-bodies-mb, create_app's max_held_bytes); "
+            "retry later"
         ),
     ]
     with caplog.at_level("WARNING", logger="histoinfer.server"):
@@ -1382,3 +1384,40 @@ async def test_an_app_runs_once_and_a_second_start_says_so(tiny_model):
     with pytest.raises(RuntimeError, match=r"an app runs once: call create_app\(\) again"):
         async with app.router.lifespan_context(app):
             pass
+
+
+async def test_a_mounted_app_whose_lifespan_never_ran_says_so(tiny_model):
+    """Regression (an embedding trial): mounted in another app, whose lifespan does not run a
+    mounted app's, it said "loading" for ever and logged nothing. Readiness and every route
+    now say the lifespan has not run, and how to run it; run from the parent's, it serves."""
+    from fastapi import FastAPI
+
+    histo = create_app(fresh_client(tiny_model))
+    parent = FastAPI()
+    parent.mount("/histo", histo)
+    transport = httpx.ASGITransport(app=parent)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+        ready = await http.get("/histo/health/ready")
+        assert ready.status_code == 503
+        assert ready.json()["models"] == {"h1": "not started"}
+        assert "lifespan has not run" in ready.json()["reason"]
+        answer = await http.post("/histo/api/predict/h1", content=make_body(0))
+        assert answer.status_code == 503
+        assert "the app's lifespan has not run" in answer.json()["detail"]
+        assert "'Embedding the app'" in answer.json()["detail"]
+        async with histo.router.lifespan_context(histo):  # as a parent's lifespan would
+            with anyio.fail_after(30):
+                while (await http.get("/histo/health/ready")).status_code != 200:
+                    await anyio.sleep(0.02)
+            answer = await http.post("/histo/api/predict/h1", content=make_body(0))
+            assert answer.status_code == 200
+
+
+async def test_a_lifespan_started_twice_at_once_says_so(tiny_model):
+    """include_router() runs an included app's lifespan itself: run by hand too, it started
+    twice at once, and the refusal said the app had run and closed its clients."""
+    app = create_app(fresh_client(tiny_model))
+    async with app.router.lifespan_context(app):
+        with pytest.raises(RuntimeError, match=r"already running: started twice\?.*mount the app"):
+            async with app.router.lifespan_context(app):
+                pass

@@ -198,8 +198,19 @@ class Arrival:
         return OverloadedError(
             f"the server holds {self._state.http.bodies_held} bytes of request bodies, and "
             f"{size} more of this one's do not fit in its limit of "
-            f"{self._state.max_held_bytes} bytes (--max-bodies-mb); retry later"
+            f"{self._state.max_held_bytes} bytes (--max-bodies-mb, create_app's "
+            "max_held_bytes); retry later"
         )
+
+
+#: The refusal, and readiness's reason, while the app's lifespan has not run: a mounted app
+#: said "loading" for ever, and nothing in the log said why (an embedding trial).
+NOT_STARTED = (
+    "the app's lifespan has not run, which loads its models (an app mounted in another "
+    "needs the parent's lifespan to run it: docs/server.md, 'Embedding the app')"
+)
+#: where the body limit is set, in a 413's words
+_BODY_OPTION = "(--max-body-mb, create_app's max_body_bytes)"
 
 
 class ServedModel:
@@ -275,6 +286,8 @@ class ServerState:
         self.draining = False
         #: How many times the app's lifespan has started (it may run once).
         self.lifespans = 0
+        #: Whether that one run is going on now (started, not yet ended).
+        self.running = False
         #: The graceful timeout is about to run out: requests still in flight are cancelled
         #: and answered 503 ``closed`` (retry elsewhere), not cut off by the server.
         self.out_of_time = False
@@ -301,6 +314,8 @@ class ServerState:
             )
         if self.draining and (arrival is None or arrival.while_draining):
             raise ClientClosedError("the server is shutting down; retry on another instance")
+        if not self.lifespans:
+            raise ModelNotReadyError(f"model {name!r} is not ready: {NOT_STARTED}")
         if served.status != "ready" or served.client is None:
             why = f": {served.error}" if served.error else "; retry shortly"
             raise ModelNotReadyError(f"model {name!r} is not ready ({served.status}){why}")
@@ -489,7 +504,7 @@ async def read_body(request: Request, limit: int, arrival: Arrival | None = None
     if declared.isdigit() and int(declared) > limit:
         await refuse_unread(request, arrival)
         raise PayloadTooLargeError(
-            f"request body is {int(declared)} bytes; the limit is {limit} bytes (--max-body-mb)"
+            f"request body is {int(declared)} bytes; the limit is {limit} bytes {_BODY_OPTION}"
         )
     # A declared body that does not fit now is refused before any of it is read. Nothing is
     # reserved by the header: bytes count as they arrive, or a client declaring 64 MiB and
@@ -506,7 +521,7 @@ async def read_body(request: Request, limit: int, arrival: Arrival | None = None
         if size > limit:
             await _discard(request, stream, size, arrival)
             raise PayloadTooLargeError(
-                f"request body is over the limit of {limit} bytes (--max-body-mb)"
+                f"request body is over the limit of {limit} bytes {_BODY_OPTION}"
             )
         if arrival is not None and not arrival.hold(len(chunk)):
             refusal = arrival.no_room(len(chunk))
@@ -885,6 +900,14 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if state.running:
+            # FastAPI runs an included router's lifespan itself: included, and also run
+            # by hand, it started twice at once (an embedding trial).
+            raise RuntimeError(
+                "this app's lifespan is already running: started twice? (include_router() "
+                "runs an included app's lifespan itself; mount the app instead: "
+                "docs/server.md, 'Embedding the app')"
+            )
         if state.lifespans:
             # Its clients were closed as the first run ended: started again, it answered
             # "draining" for ever (a user trial, with a test fixture reusing the app).
@@ -893,16 +916,20 @@ def create_app(
                 "runs once: call create_app() again for another run"
             )
         state.lifespans += 1
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(state.load_all)
-            tg.start_soon(state.watch_bodies)
-            try:
-                yield
-            finally:
-                state.begin_drain()
-                tg.cancel_scope.cancel()
-        with anyio.CancelScope(shield=True):
-            await state.close_all()
+        state.running = True
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(state.load_all)
+                tg.start_soon(state.watch_bodies)
+                try:
+                    yield
+                finally:
+                    state.begin_drain()
+                    tg.cancel_scope.cancel()
+            with anyio.CancelScope(shield=True):
+                await state.close_all()
+        finally:
+            state.running = False
 
     app = FastAPI(
         title="histoinfer",
@@ -1033,7 +1060,8 @@ def create_app(
                 if not admitted:
                     raise OverloadedError(
                         f"{state.max_batch_calls} /batch calls are in progress, the most this "
-                        "server takes at once (--max-batch-calls); retry later"
+                        "server takes at once (--max-batch-calls, create_app's "
+                        "max_batch_calls); retry later"
                     )
                 return await run_batch(request, client, checked, raw, arrival)
         return state.unanswered(request, arrival)
@@ -1103,10 +1131,15 @@ def create_app(
     def readiness() -> JSONResponse:
         draining = state.stopping or state.draining
         status = "draining" if draining else "ready" if state.ready else "not ready"
-        content = {
+        content: dict[str, object] = {
             "status": status,
-            "models": {name: m.status for name, m in state.models.items()},
+            "models": {
+                name: m.status if state.lifespans else "not started"
+                for name, m in state.models.items()
+            },
         }
+        if not state.lifespans:
+            content["reason"] = NOT_STARTED
         errors = {name: m.error for name, m in state.models.items() if m.error}
         if errors:
             content["errors"] = errors
