@@ -1029,11 +1029,23 @@ async def test_invocations_in_every_mode(tiny_model):
             assert outputs_close(r.text, direct.text)
         r = await http.post("/invocations", content='{"model_name": "h1", "mode": "metadata"}')
         assert r.status_code == 200 and r.text == client.metadata()
-        # Unknown fields are refused there too (they were ignored), a tile's included.
-        for extra in ('"junk": 1', f'"image_data": "{request_dict(0)["image_data"][:40]}"'):
-            content = f'{{"model_name": "h1", "mode": "metadata", {extra}}}'
+        # A whole request beside the dispatch fields, as SPEC §4 writes every invocation body
+        # (a SageMaker caller sends one envelope for every mode; it was refused): validated,
+        # not computed.
+        whole = json.dumps(request_dict(4, model_name="h1", mode="metadata"))
+        r = await http.post("/invocations", content=whole)
+        assert r.status_code == 200 and r.text == client.metadata()
+        # Unknown fields are refused there too (they were ignored), and so is part of a tile's
+        # request (naming what it lacks), or a whole one that is invalid.
+        part = f'"image_data": "{request_dict(0)["image_data"][:40]}"'
+        bad_x = json.dumps(request_dict(4, model_name="h1", mode="metadata", x=-3))
+        for content, named in (
+            ('{"model_name": "h1", "mode": "metadata", "junk": 1}', "junk"),
+            (f'{{"model_name": "h1", "mode": "metadata", {part}}}', "slide_name"),
+            (bad_x, "'x'"),
+        ):
             p = assert_problem(await http.post("/invocations", content=content), 422)
-            assert extra.split(":")[0].strip('"') in p["detail"]
+            assert named in p["detail"], p["detail"]
 
         bad_mode = json.dumps(request_dict(0, model_name="h1", mode="classify"))
         p = assert_problem(

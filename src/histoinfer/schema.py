@@ -34,6 +34,8 @@ __all__ = [
     "BatchingSettings",
     "ForeignBody",
     "InvocationEnvelope",
+    "InvocationMetadataOfRequest",
+    "InvocationMetadataRequest",
     "InvocationMode",
     "InvocationRequest",
     "Mode",
@@ -240,10 +242,19 @@ class InvocationEnvelope(BaseModel):
 
 
 class InvocationMetadataRequest(BaseModel):
-    """``POST /invocations`` body for ``mode: "metadata"``: the dispatch fields alone (unknown
-    fields are refused, as on every route)."""
+    """``POST /invocations`` body for ``mode: "metadata"``: the dispatch fields alone (or a
+    whole request beside them: :class:`InvocationMetadataOfRequest`)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    model_name: str
+    mode: Literal["metadata"]
+
+
+class InvocationMetadataOfRequest(ModelRequest):
+    """``POST /invocations`` body for ``mode: "metadata"`` written as SPEC §4 writes every
+    invocation body, a ``ModelRequest`` beside the dispatch fields (a SageMaker caller sends
+    one envelope for every mode): the request is validated as any, and not computed."""
 
     model_name: str
     mode: Literal["metadata"]

@@ -56,6 +56,7 @@ from ..schema import (
     SCREENED_FROM,
     ForeignBody,
     InvocationEnvelope,
+    InvocationMetadataOfRequest,
     InvocationMetadataRequest,
     InvocationMode,
     InvocationRequest,
@@ -1111,7 +1112,11 @@ def create_app(
                 )
             client = state.client(envelope.model_name, arrival)
             if envelope.mode == "metadata":
-                parse_model(InvocationMetadataRequest, raw, "invocation")
+                # The dispatch fields alone, or a whole request beside them (SPEC §4); a few
+                # fields of a request are neither, and are named (unknown, or missing).
+                alone = set(pydantic_core.from_json(raw)) <= {"model_name", "mode"}
+                kind = InvocationMetadataRequest if alone else InvocationMetadataOfRequest
+                parse_model(kind, raw, "invocation")
                 return _json(client.metadata())
             invocation: InvocationRequest = parse_model(InvocationRequest, raw, "invocation")
             mode = INVOCATION_MODES[envelope.mode]
