@@ -171,10 +171,10 @@ def bad_cases() -> list[tuple[str, str, dict[str, Any], list[str]]]:
         ("too many pixels", b64, {"max_image_pixels": 32 * 31}, ["pixel"]),
         ("too many bytes", b64, {"max_image_bytes": len(png) // 2}, ["byte limit"]),
         (
-            "16-bit pixels",
-            base64.b64encode(encode(Image.new("I;16", (32, 32)))).decode(),
+            "float pixels",
+            base64.b64encode(encode(Image.new("F", (32, 32)), "TIFF")).decode(),
             {},
-            ["I;16"],
+            ["pixel mode 'F'"],
         ),
     ]
 
@@ -863,3 +863,17 @@ def test_a_tile_that_is_not_square_is_stretched_and_said_so_once(
         assert decode(encode(Image.new("RGB", (32, 32))), size=32).shape == (3, 32, 32)
     [said] = [r.getMessage() for r in caplog.records if r.name == "histoinfer.tiles"]
     assert said.startswith("a 32x16 tile (patch_idx=4 (slide 's', x=0, y=0)) is resized to 32x32")
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "TIFF"])
+def test_16_bit_grayscale_is_converted_by_its_high_byte(fmt: str) -> None:
+    """SPEC §3.1: grayscale is converted to RGB. A 16-bit one (Pillow's ``I;16``) was refused
+    ("pixel mode 'I;16' is not supported"), and Pillow's own conversion clips at 255 (every
+    pixel white): its high byte, as Pillow reads a 16-bit RGB PNG."""
+    wide = (np.arange(32 * 32, dtype=np.uint32).reshape(32, 32) * 64).astype(np.uint16)
+    buf = io.BytesIO()
+    Image.fromarray(wide).save(buf, format=fmt)
+    assert Image.open(io.BytesIO(buf.getvalue())).mode == "I;16"
+    tile = decode(buf.getvalue())
+    expected = torch.from_numpy((wide >> 8).astype(np.uint8))
+    assert all(torch.equal(tile[channel], expected) for channel in range(3))

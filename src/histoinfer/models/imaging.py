@@ -14,6 +14,7 @@ import re
 import struct
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
@@ -36,7 +37,11 @@ ACCEPTED_FORMATS = frozenset({"PNG", "JPEG", "TIFF"})
 #: (progressive).
 MAX_JPEG_SCANS = 100
 # Pixel modes that convert to RGB without losing meaning (16-bit and float modes would clip).
-_CONVERTIBLE_MODES = frozenset({"RGB", "RGBA", "RGBX", "L", "LA", "P", "PA", "CMYK", "YCbCr", "1"})
+#: grayscale of 16 bits a pixel (Pillow's modes for a 16-bit PNG or TIFF), and of 32 (``I``)
+_WIDE_GRAY = frozenset({"I;16", "I;16B", "I;16L", "I"})
+_CONVERTIBLE_MODES = frozenset(
+    {"RGB", "RGBA", "RGBX", "L", "LA", "P", "PA", "CMYK", "YCbCr", "1", *_WIDE_GRAY}
+)
 
 _RESAMPLE = {
     "nearest": Image.Resampling.NEAREST,
@@ -380,4 +385,9 @@ def _rgb(image: Image.Image) -> Image.Image:
         return image
     if image.mode == "P" and "transparency" in image.info:
         image = image.convert("RGBA")
+    if image.mode in _WIDE_GRAY:
+        # Its high byte, as Pillow reads a 16-bit RGB PNG (SPEC §3.1: grayscale is converted).
+        # Pillow's own convert("L") clips at 255: every pixel of a 16-bit image was white.
+        wide = torch.from_numpy(np.asarray(image).astype(np.int64)).clamp_(0, 65535)
+        image = Image.fromarray((wide >> 8).to(torch.uint8).numpy())  # 2-D uint8: "L"
     return image.convert("RGB")
