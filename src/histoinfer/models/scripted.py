@@ -21,9 +21,10 @@ graph such ops are the program's own run-time checks (``torch._assert_async(x.me
 "...")``, ``torch._check`` on a value), which the fx module raises; a model owner's check must
 not vanish in the translation (a user trial: a scripted model answered a tile its own program
 refuses). So the translation raises them itself (:func:`_check_tensor`, :func:`_check_scalar`),
-and a graph with any other op that returns (and writes) nothing is not scripted. The one
-dropped on purpose is ``_assert_tensor_metadata`` (the dtype and device of a tensor at a
-``.to()``: the batch's dtype and device are checked before every pass). An error raised
+and a graph with any other op that returns nothing is not scripted (an in-place one too:
+``_foreach_add_``'s effect was lost in a trial of it). The one dropped on purpose is
+``_assert_tensor_metadata`` (the dtype and device of a tensor at a ``.to()``: the batch's
+dtype and device are checked before every pass). An error raised
 inside the interpreter comes out wrapped in its traceback; :func:`interpreter_error` unwraps
 it, so a failing pass reads the same whichever way it ran.
 
@@ -87,8 +88,7 @@ def _plain_graph_module(program: torch.fx.GraphModule) -> torch.fx.GraphModule:
             if node.target in _DROPPED:
                 graph.erase_node(node)
                 continue
-            schema = node.target._schema
-            if not schema.returns and not schema.is_mutable:  # one that writes is kept
+            if not node.target._schema.returns:  # in-place ones too: TorchScript lost one
                 raise _Unscriptable(
                     f"its graph calls {node.target}, which returns nothing: TorchScript would "
                     "drop it"
