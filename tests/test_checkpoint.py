@@ -752,3 +752,28 @@ def test_a_model_serving_embed_alone_need_not_return_predictions(
     model = _EmbedOnly.from_files(tiny_checkpoint)
     with InProcessClient(model, dynamic_batching=False) as client:
         assert client.embed(make_body(0)) == reference.embed(make_body(0))
+
+
+def test_quieted_blocks_on_several_threads_leave_the_filters_as_they_were() -> None:
+    """``warnings.catch_warnings`` swaps the process-wide filters: two blocks interleaved on two
+    threads (two models loading) left one's filter installed for good, and ``-W error`` stopped
+    working (a review). One block at a time."""
+    import random
+    import threading
+    import time
+    import warnings
+
+    from histoinfer.models.checkpoint import quieted
+
+    before = list(warnings.filters)
+
+    def quiet_a_while() -> None:
+        with quieted(DeprecationWarning):
+            time.sleep(random.uniform(0, 0.01))
+
+    threads = [threading.Thread(target=quiet_a_while) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert list(warnings.filters) == before

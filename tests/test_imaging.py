@@ -877,3 +877,15 @@ def test_16_bit_grayscale_is_converted_by_its_high_byte(fmt: str) -> None:
     tile = decode(buf.getvalue())
     expected = torch.from_numpy((wide >> 8).astype(np.uint8))
     assert all(torch.equal(tile[channel], expected) for channel in range(3))
+
+
+def test_big_endian_16_bit_grayscale_too_and_32_bit_stays_refused() -> None:
+    """A big-endian 16-bit TIFF reads alike; a 32-bit one (``I``) would be clipped by a high
+    byte of 16 bits, so it is refused, as before (a review)."""
+    wide = (np.arange(32 * 32, dtype=np.uint32).reshape(32, 32) * 64).astype(np.uint16)
+    big = Image.frombytes("I;16B", (32, 32), wide.astype(">u2").tobytes())
+    tile = decode(encode(big, "TIFF"))
+    assert torch.equal(tile[0], torch.from_numpy((wide >> 8).astype(np.uint8)))
+    wider = Image.fromarray(np.full((32, 32), 70_000, dtype=np.int32))
+    with pytest.raises(InvalidRequestError, match="pixel mode 'I' is not supported"):
+        decode(encode(wider, "TIFF"))

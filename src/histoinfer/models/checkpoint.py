@@ -13,12 +13,14 @@ a damaged compiled library that is opened.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import struct
+import threading
 import warnings
 import zipfile
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Literal
@@ -34,9 +36,26 @@ __all__ = [
     "LoadedCheckpoint",
     "in_the_folder",
     "load_checkpoint",
+    "quieted",
     "resolve_device",
     "sniff_kind",
 ]
+
+#: One block of quieted warnings at a time in the process (:func:`quieted`).
+_QUIETING = threading.RLock()
+
+
+@contextlib.contextmanager
+def quieted(*categories: type[Warning]) -> Iterator[None]:
+    """torch's warnings about its own internals left out for the block: of ``categories``,
+    or every one. One such block at a time in the process: ``warnings.catch_warnings`` swaps
+    the process-wide filters, and two that interleaved (two models loading on two threads)
+    left one's filter installed for good (a review: ``-W error`` stopped working)."""
+    with _QUIETING, warnings.catch_warnings():
+        for category in categories or (Warning,):
+            warnings.simplefilter("ignore", category)
+        yield
+
 
 CheckpointKind = Literal["torch.export", "aoti"]
 Program = Callable[[torch.Tensor], object]
@@ -258,9 +277,7 @@ def resolve_device(device: str | torch.device | int, path: Path) -> torch.device
 
 
 def _load_program(path: Path, kind: CheckpointKind, device: torch.device) -> Program:
-    with warnings.catch_warnings():
-        # torch warns about its own internals (pytree deprecations) on every load.
-        warnings.simplefilter("ignore", FutureWarning)
+    with quieted(FutureWarning):  # torch's own pytree deprecations, on every load
         if kind == "aoti":
             import torch._inductor as inductor
 

@@ -13,7 +13,6 @@ import os
 import shutil
 import time
 import uuid
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ import torch
 
 from .assets import ASSETS_FILE, ModelAssets
 from .base import ServerModel
-from .checkpoint import AOTI_INPUT_DTYPE_KEY
+from .checkpoint import AOTI_INPUT_DTYPE_KEY, quieted
 from .genes import REFERENCE_GENE_PANEL
 from .registry import register_model
 from .vit import VIT_SIZES, GeneViT
@@ -116,8 +115,7 @@ def export_reference_h1(
     # An example batch of 2: with a batch of 1, torch.export would freeze the batch size.
     example = torch.zeros(2, 3, tile, tile, dtype=torch_dtype)
     batch = torch.export.Dim("batch", min=1, max=4096)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
+    with quieted(FutureWarning):
         program = torch.export.export(module, (example,), dynamic_shapes={"x": {0: batch}})
         checkpoint = out / CHECKPOINT_FILE
         with _partial(checkpoint) as partial:

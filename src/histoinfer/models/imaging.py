@@ -37,8 +37,9 @@ ACCEPTED_FORMATS = frozenset({"PNG", "JPEG", "TIFF"})
 #: (progressive).
 MAX_JPEG_SCANS = 100
 # Pixel modes that convert to RGB without losing meaning (16-bit and float modes would clip).
-#: grayscale of 16 bits a pixel (Pillow's modes for a 16-bit PNG or TIFF), and of 32 (``I``)
-_WIDE_GRAY = frozenset({"I;16", "I;16B", "I;16L", "I"})
+#: grayscale of 16 bits a pixel (Pillow's modes for a 16-bit PNG or TIFF); 32-bit ``I`` stays
+#: refused (read by a high byte, its values over 65535 would be clipped)
+_WIDE_GRAY = frozenset({"I;16", "I;16B", "I;16L"})
 _CONVERTIBLE_MODES = frozenset(
     {"RGB", "RGBA", "RGBX", "L", "LA", "P", "PA", "CMYK", "YCbCr", "1", *_WIDE_GRAY}
 )
@@ -388,6 +389,7 @@ def _rgb(image: Image.Image) -> Image.Image:
     if image.mode in _WIDE_GRAY:
         # Its high byte, as Pillow reads a 16-bit RGB PNG (SPEC §3.1: grayscale is converted).
         # Pillow's own convert("L") clips at 255: every pixel of a 16-bit image was white.
-        wide = torch.from_numpy(np.asarray(image).astype(np.int64)).clamp_(0, 65535)
-        image = Image.fromarray((wide >> 8).to(torch.uint8).numpy())  # 2-D uint8: "L"
+        # (Shifted as uint16, in place: no wider copy of a 4096² image.)
+        high = np.asarray(image, dtype=np.uint16) >> 8
+        image = Image.fromarray(high.astype(np.uint8))  # 2-D uint8: "L"
     return image.convert("RGB")

@@ -40,13 +40,13 @@ import re
 import stat
 import tempfile
 import time
-import warnings
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
 import torch
 
+from .checkpoint import quieted
 from .scripted import bitwise_equal
 
 __all__ = ["CACHE_ENV", "UNUSED_DAYS", "cache_dir", "load", "save"]
@@ -110,8 +110,7 @@ def _torch_jit() -> Iterator[None]:
     """torch's DeprecationWarning for ``torch.jit.load``/``save`` left out: it is about this
     module's own use, printed at every load under ``python -X dev``, and under ``-W error`` (a
     strict test run) it was raised, so that no entry was ever read or written (a user trial)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
+    with quieted(DeprecationWarning):
         yield
 
 

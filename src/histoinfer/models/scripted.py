@@ -38,13 +38,12 @@ from __future__ import annotations
 
 import copy
 import re
-import warnings
 from collections.abc import Callable, Sequence
 
 import torch
 from torch.utils._pytree import tree_unflatten
 
-from .checkpoint import first_line
+from .checkpoint import first_line, quieted
 
 __all__ = ["bitwise_equal", "interpreter_error", "script_program", "scripted_equal"]
 
@@ -58,10 +57,9 @@ def script_program(program: object) -> tuple[torch.jit.ScriptModule | None, str]
     """``program``'s graph compiled by TorchScript, or ``None`` and the reason it was not."""
     if not isinstance(program, torch.fx.GraphModule):
         return None, f"not an fx GraphModule ({type(program).__name__})"
-    with warnings.catch_warnings():
-        # torch warns about its own internals on the copy and about the generated module's
-        # annotations on every compile.
-        warnings.simplefilter("ignore")
+    # torch warns about its own internals on the copy and about the generated module's
+    # annotations on every compile.
+    with quieted():
         try:
             plain = _plain_graph_module(program)
         except _Unscriptable as exc:
