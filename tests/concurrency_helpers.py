@@ -296,3 +296,20 @@ def watch_decoding(monkeypatch: Any) -> tuple[list[str], Callable[..., Any]]:
     monkeypatch.setattr(inprocess, "_prepare", watched)
     monkeypatch.setattr(inprocess, "_prepare_lone", watched_lone)
     return names, real
+
+
+async def all_at_once(client: InProcessClient, bodies: list[str]) -> dict[int, str | Exception]:
+    """``predict_async`` of every body concurrently: each one's response or error, by index."""
+    outcomes: dict[int, str | Exception] = {}
+
+    async def call(i: int) -> None:
+        try:
+            outcomes[i] = await client.predict_async(bodies[i])
+        except Exception as exc:
+            outcomes[i] = exc
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            for i in range(len(bodies)):
+                tg.start_soon(call, i)
+    return outcomes

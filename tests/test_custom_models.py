@@ -14,7 +14,7 @@ import anyio
 import httpx
 import pytest
 import torch
-from concurrency_helpers import hooked_model
+from concurrency_helpers import all_at_once, hooked_model
 from helpers import make_body, outputs_close, serving
 from PIL import Image
 
@@ -88,23 +88,6 @@ class Int64Prepare(H1ServerModel):
         return super().prepare_sample(request).long()
 
 
-async def _all_at_once(client: InProcessClient, bodies: list[str]) -> dict[int, str | Exception]:
-    """``predict_async`` of every body concurrently: each one's response or error, by index."""
-    outcomes: dict[int, str | Exception] = {}
-
-    async def call(i: int) -> None:
-        try:
-            outcomes[i] = await client.predict_async(bodies[i])
-        except Exception as exc:
-            outcomes[i] = exc
-
-    with anyio.fail_after(60):
-        async with anyio.create_task_group() as tg:
-            for i in range(len(bodies)):
-                tg.start_soon(call, i)
-    return outcomes
-
-
 def build(cls: type[ServerModel], tiny_model: ServerModel) -> ServerModel:
     return cls(tiny_model.checkpoint, tiny_model.assets, "cpu")
 
@@ -147,7 +130,7 @@ async def test_a_subclass_failing_fails_its_own_request_alike_everywhere(
         counted = 1 if kind is FailingPostprocess else 0
         assert dynamic.stats()["predict"].errors == errors + counted
 
-        outcomes = await _all_at_once(dynamic, bodies)
+        outcomes = await all_at_once(dynamic, bodies)
         failed = outcomes.pop(BAD)
         assert isinstance(failed, ModelExecutionError), failed
         assert all(isinstance(o, str) for o in outcomes.values()), outcomes  # the others served
@@ -212,7 +195,7 @@ async def test_a_pass_raising_a_base_exception_fails_only_its_own_request(
     bodies = [_solid_body(i) if i == BAD else make_body(i) for i in range(6)]
     message = rf"^model 'h1': forward pass failed for patch_idx={BAD} .*ThreadAbortedError.*_Blank"
     with InProcessClient(model, max_wait_ms=50) as dynamic:
-        outcomes = await _all_at_once(dynamic, bodies)
+        outcomes = await all_at_once(dynamic, bodies)
         with anyio.fail_after(60):
             with pytest.raises(ModelExecutionError, match=message):  # alone
                 await dynamic.predict_async(bodies[BAD])

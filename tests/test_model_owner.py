@@ -8,11 +8,10 @@ import base64
 import io
 import json
 from pathlib import Path
-from typing import Any
 
-import anyio
 import pytest
 import torch
+from concurrency_helpers import all_at_once
 from helpers import make_body, save_program
 from PIL import Image
 from test_model_contract import DIM, GENES, edit_assets, load_fails
@@ -69,26 +68,19 @@ async def test_a_program_s_own_check_fails_its_tile_when_scripted(copy_of_tiny: 
     path = save_program(_Checked().eval(), copy_of_tiny)
     model = H1ServerModel.from_files(path)
     assert model.runner == "TorchScript interpreter"
+    bodies = [_white_body(i) if i == 2 else make_body(i) for i in range(4)]
     async with InProcessClient(model, max_batch_size=4) as client:
-        results: dict[int, Any] = {}
-
-        async def call(i: int, body: str) -> None:
-            try:
-                results[i] = await client.predict_async(body)
-            except ModelExecutionError as exc:
-                results[i] = exc
-
-        with anyio.fail_after(60):
-            async with anyio.create_task_group() as tg:
-                for i in range(4):
-                    tg.start_soon(call, i, _white_body(i) if i == 2 else make_body(i))
+        results = await all_at_once(client, bodies)
     error = results.pop(2)
     assert isinstance(error, ModelExecutionError)
     # as the fx module says it: the owner's message, not the interpreter's traceback
     assert "RuntimeError('tile too bright')" in str(error)
     assert "TorchScript" not in str(error)
     assert "patch_idx=2" in str(error)
-    assert all(len(json.loads(answer)["output"]) == GENES for answer in results.values())
+    assert all(
+        isinstance(answer, str) and len(json.loads(answer)["output"]) == GENES
+        for answer in results.values()
+    )
 
 
 def test_an_error_raised_in_the_interpreter_reads_as_the_fx_module_s() -> None:
