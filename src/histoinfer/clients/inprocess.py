@@ -1094,8 +1094,11 @@ class InProcessClient(ClosingContext):
             if output is not None and not output.finite
         }
         name = self.server_model.metadata().name
-        failed = f"model {name!r}: forward pass failed for " + "; ".join(failing.values())
-        problems = [failed] if failing else []
+        problems = []
+        if failing:
+            problems.append(
+                f"model {name!r}: forward pass failed for " + "; ".join(failing.values())
+            )
         if non_finite:
             self._stats[mode].record_error(ModelExecutionError.__name__)
             where = "for " + "; ".join(non_finite.values())

@@ -234,6 +234,10 @@ class ServerModel:
                     f"({', '.join(self.modes)})"
                 )
             self.modes = tuple(mode for mode in self.modes if mode in assets.modes)
+        #: the one output a program may return alone, for a model that serves one of these
+        self._alone: Mode | None = (
+            self.modes[0] if tuple(self.modes) in (("embed",), ("predict",)) else None
+        )
         predicting = [m for m in self.modes if m != "embed"]
         if predicting and not assets.gene_names:
             raise CheckpointError(
@@ -561,12 +565,12 @@ class ServerModel:
             if unwrapped is exc:
                 raise
             raise unwrapped from exc  # as the fx module says it, not in TorchScript's traceback
-        alone = tuple(self.modes) in (("embed",), ("predict",))
+        alone = self._alone
         if alone and isinstance(result, Sequence) and len(result) == 1:
             result = result[0]  # a tuple of one: the one output
         if alone and isinstance(result, torch.Tensor):
             # a model serving one mode's output: its embedding, or its predictions
-            return (None, result) if self.modes[0] == "embed" else (result, None)
+            return (None, result) if alone == "embed" else (result, None)
         if not isinstance(result, Sequence) or len(result) != 2:
             got = type(result).__name__
             if isinstance(result, Sequence):
