@@ -36,9 +36,9 @@ ACCEPTED_FORMATS = frozenset({"PNG", "JPEG", "TIFF"})
 #: every size limit (a 4096 x 4096 image: ~2 ms a scan). Encoders write 1 (baseline) to ~10
 #: (progressive).
 MAX_JPEG_SCANS = 100
-# Pixel modes that convert to RGB without losing meaning (16-bit and float modes would clip).
-#: grayscale of 16 bits a pixel (Pillow's modes for a 16-bit PNG or TIFF); 32-bit ``I`` stays
-#: refused (read by a high byte, its values over 65535 would be clipped)
+# Pixel modes that convert to RGB without losing meaning (32-bit and float modes would clip).
+#: grayscale of 16 bits a pixel (Pillow's modes for a 16-bit PNG or TIFF), read by its high
+#: byte; 32-bit ``I`` stays refused (its values over 65535 would be clipped)
 _WIDE_GRAY = frozenset({"I;16", "I;16B", "I;16L"})
 _CONVERTIBLE_MODES = frozenset(
     {"RGB", "RGBA", "RGBX", "L", "LA", "P", "PA", "CMYK", "YCbCr", "1", *_WIDE_GRAY}
