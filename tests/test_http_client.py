@@ -949,6 +949,30 @@ async def test_shards_built_on_first_use_share_the_tls_context(counting_server):
         assert all(context is transports[0] for context in transports)
 
 
+@pytest.mark.anyio
+async def test_an_async_clients_first_request_builds_its_tls_context_off_the_loop(
+    counting_server, monkeypatch
+):
+    """Building the TLS context (and httpx's first transport importing httpcore, and trio
+    with it) held the loop 70-270 ms at a client's first async call: it runs on a worker
+    thread, once."""
+    server, _ = counting_server
+    threads: list[int] = []
+    share = http_module._ClientOptions.share
+
+    def recording_share(options: http_module._ClientOptions) -> None:
+        if not options.shared:  # the call that builds it
+            threads.append(threading.get_ident())
+        share(options)
+
+    monkeypatch.setattr(http_module._ClientOptions, "share", recording_share)
+    async with HttpClient(server.base_url) as client:
+        await client.predict_async(make_body(0))
+        await client.predict_async(make_body(1))
+    assert threads and threading.get_ident() not in threads
+    assert len(threads) == 1
+
+
 class Gate:
     """A MockTransport handler: every request waits until ``open`` is set; counts them."""
 

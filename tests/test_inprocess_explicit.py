@@ -688,6 +688,8 @@ async def test_a_mode_the_model_lacks_is_refused(tiny_model: ServerModel) -> Non
             await c.predict_async(make_body(0))
         assert model.calls == []
         assert json.loads(c.embed_batch([make_body(0)])[0])["patch_idx"] == 0
+        # Statistics for the mode it serves only (every mode was listed, two always 0).
+        assert list(c.stats()) == ["embed"] and c.stats()["embed"].samples == 1
 
 
 # -- model failures -------------------------------------------------------------------------

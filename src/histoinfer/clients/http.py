@@ -35,6 +35,7 @@ import logging
 import math
 import os
 import random
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -574,6 +575,11 @@ class HttpClient(ClosingContext):
         refused: Callable[[httpx.Response], InferenceError] | None = None,
     ) -> httpx.Response:
         attempt = _Attempt(self, method, url, refused)
+        if session is None and not self._options.shared:
+            # The first request would build the TLS context and import httpcore (and trio,
+            # which it imports where installed) on the loop: 70-270 ms in which the loop's
+            # every other task waited (a trial). Once per HttpClient, on a worker thread.
+            await anyio.to_thread.run_sync(_warm_transport, self._options)
         while True:
             try:
                 async with _slot_async(pool.slots, self._slot_wait):
@@ -1242,6 +1248,18 @@ class _ClientOptions:
                 if self.share_tls:
                     options.pop("cert", None)  # in the context already
             self.shared = True
+
+
+def _warm_transport(options: _ClientOptions) -> None:
+    """What an async client's first request would otherwise do on its loop: share the TLS
+    context, and import what httpx imports at the first transport it makes (httpcore, its
+    async network backends) and at the first connection (h11)."""
+    options.share()
+    import httpcore._backends.anyio
+    import httpcore._backends.auto
+
+    if "trio" in sys.modules:
+        import httpcore._backends.trio  # noqa: F401
 
 
 _C = TypeVar("_C", httpx.Client, httpx.AsyncClient)

@@ -38,7 +38,7 @@ import os
 import threading
 import time
 import weakref
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
@@ -78,7 +78,7 @@ from ..models.device_thread import device_thread
 from ..models.openmp import thread_count
 from ..models.registry import build_server_model
 from ..protocol import documented_as_client
-from ..schema import MODES, BatchingSettings, Mode, ModelRequest, locate, parse_request
+from ..schema import BatchingSettings, Mode, ModelRequest, locate, parse_request
 from .cores import CoreShare
 from .lifecycle import ClosingContext, InFlight, mend_after_fork, running_loop_here
 from .portal import PortalThread
@@ -620,7 +620,7 @@ class InProcessClient(ClosingContext):
         self._cores = CoreShare(self.prepare_threads)
         # A longer lone body takes the decode stage (_prepare_lone checks the declared size).
         self._lone_body_limit = 4 * _LONE_TILES * server_model.assets.tile_size**2
-        self._stats = {mode: BatchStats() for mode in MODES}
+        self._stats = _mode_stats(server_model)
         self._loops: PerLoop[_LoopState] = PerLoop(partial(_LoopState, weakref.ref(self)))
         # Dropped without close(): end the runner tasks in their loops rather than leave them
         # to the garbage collector. Holds the loops, which hold nothing of the client.
@@ -662,7 +662,7 @@ class InProcessClient(ClosingContext):
         self._batch_decoder_finalizer = None
         self._loops.forget_after_fork()
         # The child's own (empty): the parent's threads may have held their locks at the fork.
-        self._stats = {mode: BatchStats() for mode in MODES}
+        self._stats = _mode_stats(self.server_model)
         self._calls.after_fork(refuse=_forked_away(self._made_in))
 
     @classmethod
@@ -782,7 +782,8 @@ class InProcessClient(ClosingContext):
     # -- observability -----------------------------------------------------------------------
 
     def stats(self) -> dict[Mode, StatsSnapshot]:
-        """Per mode: batches, samples, batch-size histogram, queue wait and forward percentiles."""
+        """Per mode the model serves: batches, samples, batch-size histogram, queue wait and
+        forward percentiles."""
         return {mode: stats.snapshot() for mode, stats in self._stats.items()}
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -1249,6 +1250,16 @@ class ClientTuning(TypedDict, total=False):
     batch_decode_threads: int
     name: str | None
     device_lock: AbstractContextManager[Any] | None
+
+
+def _mode_stats(model: ServerModel) -> defaultdict[Mode, BatchStats]:
+    """Statistics for each mode the model serves (``stats()`` listed every mode, and a model
+    serving one showed two that stayed 0); one a subclass's ``check_mode`` lets through
+    besides is counted from its first call."""
+    stats: defaultdict[Mode, BatchStats] = defaultdict(BatchStats)
+    for mode in model.modes:
+        stats[mode] = BatchStats()
+    return stats
 
 
 def _waits(overload: Overload) -> bool:
