@@ -150,7 +150,7 @@ assert len(json.loads(client.predict(body))["output"]) == 307
 client.close()
 """,
     ),
-    ("docs/batching.md", "BatchScheduler(lambda xs"): Context(on_trio=True),
+    ("docs/batching.md", "BatchScheduler(double"): Context(on_trio=True),
     ("docs/batching.md", "ProcessPoolExecutor(2, initializer"): Context(
         before=A_BODY + "from histoinfer import InProcessClient\n",
         after="""

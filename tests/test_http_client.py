@@ -223,6 +223,26 @@ async def test_connection_errors_are_retried_then_reported():
     assert str(err.value).endswith(f"failed after 4 attempts: {refused}")
 
 
+def test_a_password_in_the_url_is_shown_nowhere(caplog):
+    """httpx sends a URL's user and password as basic auth; the client's repr, its
+    connection errors and its retry log showed the password (into tracebacks and logs)."""
+    port = free_port()  # nothing listens there
+    caplog.set_level(logging.DEBUG, logger="histoinfer")
+    with HttpClient(f"http://user:s3cret@127.0.0.1:{port}", retries=1, backoff=0.01) as client:
+        assert repr(client) == f"<HttpClient 'h1' at http://127.0.0.1:{port}>"
+        with pytest.raises(InferenceError, match="cannot reach the server") as err:
+            client.metadata()
+    assert "s3cret" not in str(err.value) and f"GET http://127.0.0.1:{port}/api/" in str(err.value)
+    assert "s3cret" not in repr(client)
+    transport = httpx.MockTransport(lambda request: httpx.Response(503))
+    with (
+        HttpClient("http://user:s3cret@h", transport=transport, retries=1, backoff=0.01) as c,
+        pytest.raises(InferenceError),
+    ):
+        c.metadata()
+    assert caplog.records and not any("s3cret" in r.getMessage() for r in caplog.records)
+
+
 def _raised(error: BaseException, *under: BaseException) -> httpx.ConnectError:
     """httpx's ConnectError raised from ``error``, itself raised from each of ``under``."""
     if under:  # one reason, or several (trio's group of one per address)

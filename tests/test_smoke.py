@@ -41,3 +41,15 @@ async def test_async_matches_explicit_batch(client, explicit_client):
     for a, b in zip(got, expected, strict=True):
         assert outputs_close(a, b)
     assert json.loads(got[3])["patch_idx"] == 3
+
+
+def test_the_packages_listing_is_its_public_names():
+    """``dir(histoinfer)`` (a notebook's completion) listed ``Any``, ``TYPE_CHECKING``,
+    ``annotations`` and the lazy-import table beside the public names."""
+    import histoinfer
+
+    names = dir(histoinfer)
+    assert set(histoinfer.__all__) <= set(names)
+    assert not {"Any", "TYPE_CHECKING", "annotations", "_LAZY"} & set(names)
+    with pytest.raises(AttributeError, match="no attribute 'InprocessClient'"):
+        histoinfer.InprocessClient  # noqa: B018

@@ -8,6 +8,7 @@ InProcessClient`` never imports a web framework.
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from .protocol import Client
@@ -50,16 +51,20 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module_name = _LAZY.get(name)
-    if module_name is None:
-        raise AttributeError(f"module 'histoinfer' has no attribute {name!r}")
-    import importlib
+if not TYPE_CHECKING:  # seen by a type checker, it typed every misspelt name as Any
 
-    value = getattr(importlib.import_module(module_name), name)
-    globals()[name] = value
-    return value
+    def __getattr__(name: str) -> Any:
+        module_name = _LAZY.get(name)
+        if module_name is None:
+            raise AttributeError(f"module 'histoinfer' has no attribute {name!r}")
+        import importlib
+
+        value = getattr(importlib.import_module(module_name), name)
+        globals()[name] = value
+        return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    """The public names (and the submodules imported so far), not this module's helpers."""
+    modules = {name for name, value in globals().items() if isinstance(value, ModuleType)}
+    return sorted(set(__all__) | modules)

@@ -101,11 +101,13 @@ class Client(Protocol):
         """The client itself; :meth:`close` on leaving the block."""
         ...
 
+    # Positional-only, here and in __aexit__: a test double's own parameter names match.
     def __exit__(
         self,
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
+        /,
     ) -> None:
         """Close the client."""
         ...
@@ -119,6 +121,7 @@ class Client(Protocol):
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
+        /,
     ) -> None:
         """Close the client."""
         ...

@@ -226,6 +226,9 @@ class HttpClient(ClosingContext):
             # The server decodes %2F before routing: "h1/batch" would reach the batch route.
             raise ValueError(f"model must be a route name without '/', got {model!r}")
         self.base_url = base_url.rstrip("/")
+        # What a message or repr shows: a password in the URL (httpx sends it as basic auth)
+        # went into tracebacks and logs.
+        self._shown_base_url = str(_shown(httpx.URL(self.base_url)))
         self.model = model
         self.timeout = timeout
         self.max_connections = max_connections
@@ -398,7 +401,7 @@ class HttpClient(ClosingContext):
 
     def __repr__(self) -> str:
         closed = " closed" if self.closed else ""
-        return f"<HttpClient {self.model!r} at {self.base_url}{closed}>"
+        return f"<HttpClient {self.model!r} at {self._shown_base_url}{closed}>"
 
     def _note_untrained(self) -> None:
         """The server said its model's weights are untrained: said here too, once a process
@@ -410,10 +413,11 @@ class HttpClient(ClosingContext):
                 return
             _announced.add((self.base_url, self.model))
             untrained_log.warning(
-                "model %r at %s has seeded, UNTRAINED weights (a reference checkpoint): the "
-                "real architecture and costs, but its outputs are not biology",
+                'model %r at %s has UNTRAINED weights (its model.json says "trained": false, '
+                "as histoinfer's seeded reference checkpoints do): the real architecture and "
+                "costs, but not a trained model's outputs",
                 self.model,
-                self.base_url,
+                self._shown_base_url,
             )
 
     # -- requests ----------------------------------------------------------------------------
@@ -754,7 +758,7 @@ class _Attempt:
             else:
                 why = "cannot reach the server"
             raise InferenceError(
-                f"{self.method} {self.url} failed{tries}: {why} "
+                f"{self.method} {_shown(httpx.URL(self.url))} failed{tries}: {why} "
                 f"({type(exc).__name__}: {_os_reason(exc) or exc})"
             ) from exc
         return self._next(None)
@@ -765,7 +769,7 @@ class _Attempt:
                 self.client._note_untrained()
             return None
         if response.status_code in _RETRY_STATUSES and self.number < self.client.retries:
-            log.debug("HTTP %d from %s; retrying", response.status_code, self.url)
+            log.debug("HTTP %d from %s; retrying", response.status_code, _shown(response.url))
             return self._next(response)
         raise self.refused(response)
 

@@ -544,6 +544,8 @@ class InProcessClient(ClosingContext):
         max_queue: most requests admitted per loop and mode (preparing, queued or running).
             In-process callers wait for room; ``overload="reject"`` raises
             :class:`~histoinfer.errors.OverloadedError` instead (the server answers 503).
+        overload: what a call does with the queue full: ``"wait"`` for room (default) or
+            ``"reject"`` at once with :class:`~histoinfer.errors.OverloadedError`.
         prepare_threads: worker threads per loop for parsing and decoding.
         request_timeout: seconds from the call until its tile must reach the model (waiting
             for room and preparing included), or :class:`~histoinfer.errors.DeadlineExceededError`;
@@ -557,6 +559,9 @@ class InProcessClient(ClosingContext):
         name: what its errors, logs and threads call it (``"NAME:mode: queue full ..."``);
             by default the model's name. The server's CLI passes the route's name, so a
             model served under two names (``--model fast=h1 --model slow=h1``) says which.
+        device_lock: a lock (any context manager) every forward pass of this client holds,
+            and nothing else: hold it around your own work on the device and the two never
+            overlap (docs/batching.md).
     """
 
     _holds = "a loaded model and its threads"

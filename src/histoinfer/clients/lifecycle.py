@@ -205,6 +205,7 @@ class ClosingContext:
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
+        /,
     ) -> None:
         self.close()
 
@@ -216,5 +217,6 @@ class ClosingContext:
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
+        /,
     ) -> None:
         await self.aclose()

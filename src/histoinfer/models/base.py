@@ -260,8 +260,9 @@ class ServerModel:
         if not assets.trained and checkpoint.sha256 not in _announced:
             _announced.add(checkpoint.sha256)
             untrained_log.warning(
-                "%s (model %r, version %s) has seeded, UNTRAINED weights: the real architecture "
-                "and costs, but its outputs are not biology",
+                "%s (model %r, version %s) has UNTRAINED weights (its model.json says "
+                '"trained": false, as histoinfer\'s seeded reference checkpoints do): the real '
+                "architecture and costs, but not a trained model's outputs",
                 checkpoint.path,
                 assets.name,
                 assets.version,
