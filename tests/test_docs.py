@@ -63,6 +63,36 @@ assert (meta["name"], meta["gene_names"]) == ("my-model", my_gene_names), meta
 """
 
 
+def json_example(page: str, marker: str) -> str:
+    """The text of the one JSON block of ``page`` with ``marker`` in it."""
+    text = (ROOT / page).read_text(encoding="utf-8")
+    [found] = [m for m in re.findall(r"^```json\n(.*?)^```", text, re.S | re.M) if marker in m]
+    return found
+
+
+# docs/checkpoints.md's tissue-mask model.json, over a program that answers with a 14x14 grid.
+A_MASK_MODEL = (
+    """
+import json
+from pathlib import Path
+import torch
+from histoinfer import InProcessClient
+class Mask(torch.nn.Module):
+    def forward(self, x):
+        return torch.nn.functional.adaptive_avg_pool2d(torch.sigmoid(-x.mean(dim=1)), 14)
+batch = torch.export.Dim("batch", min=1, max=64)
+program = torch.export.export(Mask(), (torch.zeros(2, 3, 224, 224),),
+                              dynamic_shapes={"x": {0: batch}})
+out = Path("tissue"); out.mkdir()
+torch.export.save(program, out / "model.pt2")
+(out / "model.json").write_text("""
+    + repr(json_example("docs/checkpoints.md", '"tissue-mask"'))
+    + """)
+client = InProcessClient.from_checkpoint("h1", out / "model.pt2")
+"""
+)
+
+
 def slide_answers(run: str) -> str:
     """What README.md's whole-slide recipe promises: the answers in the order of the bodies,
     and (``run`` sending them again with 4 workers) no more bodies held than that."""
@@ -210,6 +240,14 @@ assert aoti_call.arguments["package_path"].endswith("model-aoti.pt2")
 assert next(iter(program.state_dict.values())).dtype == torch.bfloat16
 """
         + YOUR_MODEL_ANSWERS,
+    ),
+    ("docs/checkpoints.md", "reshape(shape)"): Context(
+        before=A_BODY + A_MASK_MODEL,
+        after="""
+assert mask.shape == (14, 14) and 0 < mask.min() <= mask.max() < 1, mask
+assert json.loads(client.metadata())["embedding_size"] == 0
+client.close()
+""",
     ),
     ("docs/checkpoints.md", "class MyTileModel"): Context(
         before=A_BODY + YOUR_MODEL, after=YOUR_MODEL_ANSWERS

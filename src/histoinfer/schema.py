@@ -220,8 +220,13 @@ class ModelMetadata(BaseModel):
     interpolation: str
     modes: list[Mode]
     gene_names: list[str] = Field(description="names of the predict output, in order")
-    output_size: int
-    embedding_size: int
+    output_size: int = Field(description="how many values a predict output holds")
+    output_shape: list[int] | None = Field(
+        default=None,
+        description="the shape of one tile's predict output when it is not a vector (a tissue "
+        "mask's [14, 14]): `output` holds it flattened, row-major; null for a vector",
+    )
+    embedding_size: int = Field(description="the embedding's width; 0 if it serves none")
     accepts_bulk_rna: bool = False
     trained: bool = Field(description="False for the seeded, untrained reference checkpoints")
     description: str = ""

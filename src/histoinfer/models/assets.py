@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import codecs
 import difflib
+import math
 from collections import Counter
 from pathlib import Path
 from typing import Literal
@@ -49,7 +50,13 @@ class ModelAssets(BaseModel):
     #: assets directory with one gene name a line. Empty for a model that predicts nothing
     #: (it serves ``embed`` alone).
     gene_names: list[str] = Field(default_factory=list)
-    embedding_size: int = Field(gt=0)
+    #: the shape of one tile's predictions, when they are not a vector of genes: a tissue
+    #: mask's ``[14, 14]`` (a program may return ``[B, 14, 14]`` or ``[B, 196]``); the
+    #: response's ``output`` holds them flattened, row-major. Then ``gene_names`` may be left
+    #: out (or names each value).
+    output_shape: list[int] | None = Field(default=None, min_length=1, max_length=4)
+    #: the embedding's width; needed only by a model that serves an embedding
+    embedding_size: int | None = Field(default=None, gt=0)
     #: the modes this checkpoint serves, among its model class's (default: all of those): a
     #: program that returns one output (an embedding model's, a prediction model's) serves
     #: ``["embed"]`` or ``["predict"]`` under ``h1`` with no subclass of its own
@@ -100,6 +107,28 @@ class ModelAssets(BaseModel):
         if twice:
             raise ValueError(f"modes named more than once: {', '.join(twice)}")
         return modes
+
+    @field_validator("output_shape")
+    @classmethod
+    def _shape_fits(cls, shape: list[int] | None, info: ValidationInfo) -> list[int] | None:
+        if shape is None:
+            return shape
+        if any(n <= 0 for n in shape):
+            raise ValueError(f"every dimension must be > 0, got {shape}")
+        names = info.data.get("gene_names")  # absent if they failed their own checks
+        if names and len(names) != math.prod(shape):
+            raise ValueError(
+                f"gene_names has {len(names)} names, but output_shape {shape} holds "
+                f"{math.prod(shape)} values: name each value, or leave gene_names out"
+            )
+        return shape
+
+    @property
+    def output_size(self) -> int:
+        """How many values one tile's predictions hold."""
+        if self.output_shape is not None:
+            return math.prod(self.output_shape)
+        return len(self.gene_names)
 
     @field_validator("gene_names", mode="before")
     @classmethod

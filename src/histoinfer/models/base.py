@@ -137,8 +137,9 @@ class BatchOutput:
         )
 
     def split(self) -> list[SampleOutput]:
-        # One .tolist() per tensor for the whole batch: far cheaper than one per sample.
-        preds = self.predictions.tolist() if self.predictions is not None else None
+        # One .tolist() per tensor for the whole batch: far cheaper than one per sample. Shaped
+        # predictions (a mask's [B, H, W]) are each tile's values row-major.
+        preds = self.predictions.flatten(1).tolist() if self.predictions is not None else None
         embs = self.embedding.tolist() if self.embedding is not None else None
         finite: list[bool] = self._finite_rows().tolist()
         return [
@@ -239,12 +240,20 @@ class ServerModel:
             self.modes[0] if tuple(self.modes) in (("embed",), ("predict",)) else None
         )
         predicting = [m for m in self.modes if m != "embed"]
-        if predicting and not assets.gene_names:
+        if predicting and not assets.output_size:
             raise CheckpointError(
                 f"model assets {named} are invalid for {type(self).__name__}: gene_names is "
                 f"empty, but it serves {', '.join(predicting)}: name the genes (a list, or a "
-                f'gene list file in the assets directory), or serve embed alone ("modes": '
-                f'["embed"] in model.json)'
+                f"gene list file in the assets directory), give the output's output_shape (a "
+                f'tissue mask\'s [14, 14]), or serve embed alone ("modes": ["embed"] in '
+                f"model.json)"
+            )
+        embedding = [m for m in self.modes if m != "predict"]
+        if embedding and assets.embedding_size is None:
+            raise CheckpointError(
+                f"model assets {named} are invalid for {type(self).__name__}: embedding_size "
+                f"is missing, but it serves {', '.join(embedding)}: give the embedding's "
+                f'width, or serve predict alone ("modes": ["predict"] in model.json)'
             )
         self.device = one_cpu(torch.device(device))
         mean = torch.tensor(assets.mean, dtype=torch.float32).view(1, 3, 1, 1)
@@ -720,10 +729,16 @@ class ServerModel:
                         f"BatchOutput (histoinfer.models), got {type(out).__name__}"
                     )
                 if mode != "embed":
-                    genes = len(self.assets.gene_names)
-                    self._check_output("predictions", out.predictions, (n, genes))
+                    shape = self.assets.output_shape
+                    self._check_output(
+                        "predictions",
+                        out.predictions,
+                        (n, self.assets.output_size),
+                        None if shape is None else (n, *shape),
+                    )
                 if mode != "predict":
-                    self._check_output("embedding", out.embedding, (n, self.assets.embedding_size))
+                    width = self.assets.embedding_size or 0  # set: checked at __init__
+                    self._check_output("embedding", out.embedding, (n, width))
                 if mode == modes[0]:
                     answers.append(out)
         if self.repeatable_outputs:
@@ -778,18 +793,26 @@ class ServerModel:
             return False
         return True
 
-    def _check_output(self, name: str, tensor: object, shape: tuple[int, int]) -> None:
+    def _check_output(
+        self,
+        name: str,
+        tensor: object,
+        shape: tuple[int, int],
+        shaped: tuple[int, ...] | None = None,
+    ) -> None:
         """One output of the load-time probe: a tensor of the shape model.json describes (for
-        the probe's batch), and finite."""
-        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != shape:
+        the probe's batch: flat, or ``shaped`` by its output_shape), and finite."""
+        wanted = {shape, shaped} - {None}
+        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) not in wanted:
             actual: object = tensor  # None
             if isinstance(tensor, torch.Tensor):
                 actual = tuple(tensor.shape)
             elif tensor is not None:
                 actual = f"{type(tensor).__name__} (not a tensor)"
+            described = f"{shaped} or {shape}" if shaped is not None else f"{shape}"
             raise CheckpointError(
                 f"checkpoint {self.checkpoint.path} returns {name} of shape {actual} for a "
-                f"probe batch of {shape[0]}, but its assets (model.json) describe {shape}"
+                f"probe batch of {shape[0]}, but its assets (model.json) describe {described}"
             )
         if not bool(torch.isfinite(tensor).all()):
             dtype = str(self.checkpoint.input_dtype).removeprefix("torch.")
@@ -818,8 +841,9 @@ class ServerModel:
             interpolation=a.interpolation,
             modes=list(self.modes),
             gene_names=a.gene_names,
-            output_size=len(a.gene_names),
-            embedding_size=a.embedding_size,
+            output_size=a.output_size,
+            output_shape=a.output_shape,
+            embedding_size=a.embedding_size or 0,  # left out: a model serving predict alone
             accepts_bulk_rna=a.accepts_bulk_rna,
             trained=a.trained,
             description=a.description,
