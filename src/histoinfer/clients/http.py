@@ -57,7 +57,7 @@ from ..errors import (
     OverloadedError,
     error_for_problem_type,
 )
-from ..protocol import documented_as_client
+from ..protocol import Client, documented_as_client
 from ..schema import ForeignBody, Mode, not_a_json_string, parse_request, utf8_size
 from .lifecycle import CLIENT_CLOSED, ClosingContext, InFlight, mend_after_fork, running_loop_here
 
@@ -157,7 +157,7 @@ _BY_NAME = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_O
 
 
 @documented_as_client
-class HttpClient(ClosingContext):
+class HttpClient(ClosingContext, Client):
     """Runs the ``Client`` protocol against a histoinfer server (``histoinfer serve``).
 
     Args:

@@ -77,7 +77,7 @@ from ..models.base import SampleOutput, ServerModel, non_finite_error
 from ..models.device_thread import device_thread
 from ..models.openmp import thread_count
 from ..models.registry import build_server_model
-from ..protocol import documented_as_client
+from ..protocol import Client, documented_as_client
 from ..schema import BatchingSettings, Mode, ModelRequest, locate, parse_request
 from .cores import CoreShare
 from .lifecycle import ClosingContext, InFlight, mend_after_fork, running_loop_here
@@ -530,7 +530,7 @@ def _close_loop_states(loops: PerLoop[_LoopState]) -> None:
 
 
 @documented_as_client
-class InProcessClient(ClosingContext):
+class InProcessClient(ClosingContext, Client):
     """Runs a :class:`ServerModel` in this process; implements the whole ``Client`` protocol.
 
     Args:
