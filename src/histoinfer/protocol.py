@@ -33,14 +33,18 @@ class Client(Protocol):
     server still loading; its subclass ``DeadlineExceededError`` for a request not run before
     its deadline) and ``ClientClosedError`` (a call after ``close()``). Both clients raise the
     same class with the same message for the same input; ``HttpClient`` raises a plain
-    ``InferenceError`` when the server cannot be reached after its retries.
+    ``InferenceError`` when the server cannot be reached after its retries. (One exception:
+    a model's own code that raises ``SystemExit`` or another ``BaseException`` on a worker
+    thread fails its requests with :class:`~histoinfer.errors.ThreadAbortedError`, a
+    ``RuntimeError``: not a refusal of the request.)
 
     Use it as a type, to accept either client. ``isinstance(obj, Client)`` checks that the
     methods exist, not their signatures.
     """
 
     def predict(self, body: str) -> str:
-        """One tile's response JSON; its ``output`` is the model's prediction (gene values)."""
+        """One tile's response JSON; its ``output`` is the model's prediction (gene values, or
+        a grid such as a tissue mask's, flattened: the metadata's ``output_shape``)."""
         ...
 
     def embed(self, body: str) -> str:
