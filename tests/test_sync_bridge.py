@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -390,3 +392,86 @@ def test_the_process_exits_without_close(tiny_checkpoint: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "done"
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("call_name", ["predict", "predict_batch"])
+def test_close_in_a_signal_handler_does_not_wait_for_the_call_it_interrupted(
+    tiny_model: ServerModel, call_name: str
+) -> None:
+    """Regression (a trial): a SIGTERM handler that closed the client while the main thread
+    was in ``predict_batch`` hung for ever (close() waited for the very call the handler had
+    interrupted, which goes on only once the handler returns); in ``predict``, 10 s (the
+    portal's join). It returns at once; the call finishes; later calls are refused."""
+    client = InProcessClient(tiny_model, max_batch_size=8)
+    in_pass, release = threading.Event(), threading.Event()
+    real_forward = tiny_model.forward_tiles
+    took: list[float] = []
+
+    def held_forward(tiles, mode):  # type: ignore[no-untyped-def]
+        in_pass.set()
+        release.wait(30)  # set by the handler, once close() has returned
+        return real_forward(tiles, mode)
+
+    def on_signal(signum: int, frame: object) -> None:
+        started = time.perf_counter()
+        client.close()
+        took.append(time.perf_counter() - started)
+        release.set()
+
+    def signal_in_the_pass() -> None:
+        if in_pass.wait(30):
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    previous = signal.signal(signal.SIGUSR1, on_signal)
+    tiny_model.forward_tiles = held_forward  # type: ignore[method-assign]
+    threading.Thread(target=signal_in_the_pass, daemon=True).start()
+    try:
+        if call_name == "predict":
+            answer = client.predict(body(0))
+        else:
+            [answer] = client.predict_batch([body(0)])
+    finally:
+        release.set()
+        del tiny_model.forward_tiles
+        signal.signal(signal.SIGUSR1, previous)
+    assert '"patch_idx":0' in answer.replace(" ", "")
+    assert took and took[0] < 5, f"close() in the handler took {took}"
+    with pytest.raises(ClientClosedError):
+        client.predict(body(1))
+
+
+@pytest.mark.timeout(120)
+def test_a_sync_call_as_the_interpreter_exits_is_refused_not_hung(tiny_checkpoint: Path) -> None:
+    """Regression (a trial): a ``__del__`` calling ``predict`` as the interpreter exited hung
+    for ever (a portal thread started then never runs), or raised a bare RuntimeError."""
+    script = f"""
+import sys
+sys.path.insert(0, {str(TESTS)!r})
+from helpers import make_body
+from histoinfer.clients.inprocess import InProcessClient
+
+client = InProcessClient.from_checkpoint("h1", {str(tiny_checkpoint)!r})
+BODY = make_body(0)
+if sys.argv[1] == "warm":
+    client.predict(BODY)  # its portal started
+
+class Holder:
+    def __del__(self):
+        try:
+            client.predict(BODY)
+        except Exception as exc:
+            print(type(exc).__name__, exc, flush=True)
+
+keep = Holder()
+"""
+    for warm in ("cold", "warm"):
+        proc = subprocess.run(
+            [sys.executable, "-c", script, warm], capture_output=True, text=True, timeout=90
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout.startswith("ClientClosedError the interpreter is exiting"), (
+            warm,
+            proc.stdout,
+            proc.stderr[-3000:],
+        )

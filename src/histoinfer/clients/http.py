@@ -371,7 +371,7 @@ class HttpClient(ClosingContext, Client):
         does, the calls in flight (on any thread or loop) finish, and the pools close after
         the last of them.
         """
-        if running_loop_here():
+        if running_loop_here() or self._calls.held_here():  # (beneath a call: a signal handler)
             self._calls.close(then=self._release)
             return
         self._calls.close()

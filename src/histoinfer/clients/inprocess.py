@@ -35,6 +35,7 @@ import concurrent.futures
 import inspect
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -810,6 +811,11 @@ class InProcessClient(ClosingContext, Client):
             # with this loop frozen); it ends after them by itself.
             log.debug("close() on a thread with a running loop: not waiting for in-flight work")
             self._stop_threads(wait=False)
+        elif self._calls.held_here():
+            # Beneath a call of this thread (a signal handler): that call goes on only once
+            # this returns, so waiting for it would never end. The threads stop after the
+            # last call in flight (_when_closed_and_idle).
+            log.debug("close() beneath a call of this thread: not waiting for in-flight work")
         else:
             self._calls.wait_idle()
             self._stop_threads()
@@ -1165,16 +1171,21 @@ class InProcessClient(ClosingContext, Client):
         # cell): the client's own portal. Sync calls from many threads batch together there.
         portal = self._get_portal()
         try:
-            return portal.call(fn, body)
+            with self._calls.here():  # close() in a signal handler must not wait for it
+                return portal.call(fn, body)
         except RuntimeError:
             if self._calls.closed:  # the portal stopped under us: close() won the race
                 raise self._calls.refusal() from None
+            if sys.is_finalizing() or not portal.thread.is_alive():
+                raise ClientClosedError(_EXITING) from None  # its finalizer stopped it
             raise
 
     def _get_portal(self) -> PortalThread:
         with self._threads_lock:
             if self._calls.closed:  # never start a portal for a closed client
                 raise self._calls.refusal()
+            if sys.is_finalizing():  # a thread started now would never run: the call hung
+                raise ClientClosedError(_EXITING)
             if self._portal is None:
                 self._portal = PortalThread(name=f"histoinfer-portal-{self._model_name}")
                 # Stops the portal if the client is dropped, or at interpreter exit.
@@ -1216,6 +1227,13 @@ async def _in_host_loop(fn: Callable[[str], Coroutine[Any, Any, T]], body: str) 
 
 #: the longest ``close()`` waits for the portal's thread to end (its calls are done by then)
 _PORTAL_JOIN_S = 10.0
+
+
+#: why a sync call made as the interpreter exits (from a ``__del__``, say) is refused
+_EXITING = (
+    "the interpreter is exiting, and the client's threads have stopped: make sync calls "
+    "before exit (or close the client in an atexit handler)"
+)
 
 
 def _default_prepare_threads(model: ServerModel) -> int:

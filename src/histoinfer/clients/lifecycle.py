@@ -50,6 +50,7 @@ class InFlight:
         self.closed = False
         #: what a refused call is told
         self.why_closed = CLIENT_CLOSED
+        self._here = threading.local()  # depth: this thread's calls in flight (call())
 
     @property
     def active(self) -> int:
@@ -61,9 +62,28 @@ class InFlight:
         """One call: refused once closed; counted while it runs."""
         self.enter()
         try:
-            yield
+            with self.here():
+                yield
         finally:
             self.exit()
+
+    @contextmanager
+    def here(self) -> Iterator[None]:
+        """A call of this thread, for :meth:`held_here` (a sync call whose work, counted by
+        :meth:`call`, runs on another thread marks its own thread so)."""
+        here = self._here
+        here.depth = getattr(here, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            here.depth -= 1
+
+    def held_here(self) -> bool:
+        """Is a call of this thread in flight? Then ``close()`` runs beneath it (in a signal
+        handler, say, that interrupted it) and must not wait for it: that call goes on only
+        once ``close()`` has returned (a SIGTERM handler that closed the client hung for ever
+        while the main thread was in ``predict_batch``)."""
+        return getattr(self._here, "depth", 0) > 0
 
     def enter(self) -> None:
         with self._idle:
@@ -80,6 +100,7 @@ class InFlight:
         survive the fork), so ``close()`` must not wait for them, nor run what the parent's
         close was to run after them. With ``refuse``, closed in this process, saying why."""
         self._idle = threading.Condition()  # the parent's threads may have held it
+        self._here = threading.local()
         self._active = 0
         self._then = []
         if refuse is not None:
