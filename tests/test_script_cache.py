@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,25 @@ def test_a_damaged_entry_is_ignored_and_written_again(tiny_checkpoint: Path, cac
     assert model.runner == "TorchScript interpreter"
     assert entries(cache) == [entry] and entry.stat().st_size > 1000
     assert build_server_model("h1", tiny_checkpoint).checkpoint.scripted
+
+
+def test_an_entry_with_a_flipped_bit_is_not_used(tiny_checkpoint: Path, cache: Path) -> None:
+    """Regression (a trial): a bit flipped in a weight of an entry was loaded, and answered
+    differently, at every load: torch.jit.load checks no CRC. The zip's own CRCs are checked."""
+    first = build_server_model("h1", tiny_checkpoint)
+    [entry] = entries(cache)
+    with zipfile.ZipFile(entry) as archive:
+        weights = max(archive.infolist(), key=lambda info: info.file_size)
+        offset = weights.header_offset + 30 + len(weights.filename) + len(weights.extra)
+    damaged = bytearray(entry.read_bytes())
+    damaged[offset + weights.file_size // 2] ^= 0x10
+    entry.write_bytes(bytes(damaged))
+    assert script_cache.load(first.checkpoint.sha256) is None
+    second = build_server_model("h1", tiny_checkpoint)  # the slow way, and kept again
+    batch = tiles(2)
+    a, b = first.forward_batch(batch, "predict"), second.forward_batch(batch, "predict")
+    assert torch.equal(a.predictions, b.predictions)
+    assert script_cache.load(first.checkpoint.sha256) is not None  # written again
 
 
 def test_off_keeps_nothing(
