@@ -243,6 +243,20 @@ def test_a_password_in_the_url_is_shown_nowhere(caplog):
     assert caplog.records and not any("s3cret" in r.getMessage() for r in caplog.records)
 
 
+def test_a_client_dropped_without_close_closes_its_connections(server):
+    """Regression (a soak trial): each HttpClient dropped without close() left its sync
+    connections to the garbage collector, a ResourceWarning for each socket."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(3):
+            client = HttpClient(server.base_url)
+            json.loads(client.predict(make_body(i)))
+            del client
+            gc.collect()
+    unclosed = [w for w in caught if issubclass(w.category, ResourceWarning)]
+    assert unclosed == [], [str(w.message) for w in unclosed]
+
+
 def _raised(error: BaseException, *under: BaseException) -> httpx.ConnectError:
     """httpx's ConnectError raised from ``error``, itself raised from each of ``under``."""
     if under:  # one reason, or several (trio's group of one per address)

@@ -38,6 +38,7 @@ import random
 import sys
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Generic, TypeGuard, TypeVar
@@ -266,6 +267,7 @@ class HttpClient(ClosingContext, Client):
         self._released = False  # the pools are closed: after close() and its calls in flight
         self._lock = threading.Lock()
         self._sync: _Shards[httpx.Client] | None = None
+        self._sync_finalizer: weakref.finalize[Any, Any] | None = None
         self._pools: dict[object, _LoopPool] = {}
         mend_after_fork(self)
 
@@ -280,6 +282,9 @@ class HttpClient(ClosingContext, Client):
         # Kept, unused: collected, their sockets would be closed (and warn of it).
         self._left_by_the_parent = (self._sync, self._pools)
         self._sync, self._pools = None, {}
+        if self._sync_finalizer is not None:  # it would close them at the child's exit
+            self._sync_finalizer.detach()
+            self._sync_finalizer = None
         if self.max_in_flight is not None:
             self._sync_slots = threading.BoundedSemaphore(self.max_in_flight)
         self._calls.after_fork()
@@ -617,6 +622,9 @@ class HttpClient(ClosingContext, Client):
                 raise ClientClosedError(CLIENT_CLOSED)
             if self._sync is None:
                 self._sync = _Shards(self._options, httpx.Client, threading.Lock())
+                # Dropped without close(): its connections closed, not left to the collector
+                # (a ResourceWarning for each; a soak trial). Each loop's close with it.
+                self._sync_finalizer = weakref.finalize(self, _close_sync, self._sync)
             return self._sync
 
     def _loop_pool(self) -> _LoopPool:
