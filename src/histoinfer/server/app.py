@@ -68,6 +68,7 @@ from ..schema import (
     json_hint,
     parse_model,
 )
+from .memory import return_freed_memory
 from .metrics import UNKNOWN, HttpCounters, StatsCollector, render_metrics
 from .problems import (
     PROBLEM_JSON,
@@ -922,6 +923,7 @@ def create_app(
             async with anyio.create_task_group() as tg:
                 tg.start_soon(state.load_all)
                 tg.start_soon(state.watch_bodies)
+                tg.start_soon(return_freed_memory, lambda: not state.in_flight)
                 try:
                     yield
                 finally:
