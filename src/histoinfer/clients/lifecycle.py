@@ -61,10 +61,12 @@ class InFlight:
     def call(self) -> Iterator[None]:
         """One call: refused once closed; counted while it runs."""
         self.enter()
+        here = self._here  # as here(), inline: one generator a call, not two
+        here.depth = getattr(here, "depth", 0) + 1
         try:
-            with self.here():
-                yield
+            yield
         finally:
+            here.depth -= 1
             self.exit()
 
     @contextmanager
