@@ -140,6 +140,7 @@ def test_torch_save_file_is_the_wrong_kind(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")  # the test's own scripting
 def test_a_torchscript_archive_is_named_as_such(tmp_path: Path) -> None:
     # torch.save's layout with code beside it: it was called a torch.save() file.
     path = tmp_path / "model.pt2"

@@ -210,6 +210,7 @@ def test_an_entry_that_reads_back_differently_is_not_kept(
     assert entries(cache) == [] and list(cache.iterdir()) == []
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")  # the test's own scripting
 def test_same_compares_code_and_every_tensor() -> None:
     class Scale(torch.nn.Module):
         def __init__(self, by: float) -> None:
