@@ -241,6 +241,30 @@ def test_a_password_in_the_url_is_shown_nowhere(caplog):
     ):
         c.metadata()
     assert caplog.records and not any("s3cret" in r.getMessage() for r in caplog.records)
+    for refused in ("ftp://user:s3cret@h", "http://user:s3cret@"):  # and in the refusals
+        with pytest.raises(ValueError, match="http:// or https:// URL") as bad:
+            HttpClient(refused)
+        assert "s3cret" not in str(bad.value)
+
+
+@pytest.mark.timeout(60)
+def test_a_live_client_still_answers_at_exit() -> None:
+    """A dropped client's connections are closed by a finalizer, but not at exit: there it
+    closed a live client under an atexit handler registered before it (a review: httpx's
+    "Cannot send a request, as the client has been closed")."""
+    script = """
+import atexit
+import httpx
+atexit.register(lambda: print("at exit:", client.metadata(), flush=True))
+from histoinfer import HttpClient
+answer = lambda request: httpx.Response(200, json={"name": "x"})
+client = HttpClient("http://h", transport=httpx.MockTransport(answer), retries=0)
+client.metadata()
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=50
+    )
+    assert done.returncode == 0 and done.stdout == 'at exit: {"name":"x"}\n', done.stderr
 
 
 def test_a_client_dropped_without_close_closes_its_connections(server):

@@ -475,3 +475,29 @@ keep = Holder()
             proc.stdout,
             proc.stderr[-3000:],
         )
+
+
+@pytest.mark.timeout(60)
+def test_close_while_this_thread_starts_the_portal_refuses_the_call(
+    tiny_model: ServerModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A signal handler's close() that runs while its thread starts the client's portal (the
+    first sync call) deadlocked on the lock that start holds (a review); now the call is
+    refused, and the portal started for it stopped."""
+    from histoinfer.clients import inprocess
+
+    client = InProcessClient(tiny_model, max_batch_size=8)
+    started: list[inprocess.PortalThread] = []
+
+    class InterruptedStart(inprocess.PortalThread):
+        def __init__(self, name: str) -> None:
+            super().__init__(name)
+            started.append(self)
+            client.close()  # as a signal handler would, on this thread, mid-start
+
+    monkeypatch.setattr(inprocess, "PortalThread", InterruptedStart)
+    with pytest.raises(ClientClosedError):
+        client.predict(body(0))
+    [portal] = started
+    portal.thread.join(20)
+    assert not portal.thread.is_alive() and client._portal is None

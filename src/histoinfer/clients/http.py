@@ -35,6 +35,7 @@ import logging
 import math
 import os
 import random
+import re
 import sys
 import threading
 import time
@@ -113,15 +114,16 @@ def _check_base_url(base_url: object) -> None:
     with httpx's UnsupportedProtocol (a user trial)."""
     if not isinstance(base_url, str):
         raise TypeError(f"base_url must be a str, got {type(base_url).__name__}")
+    shown = re.sub(r"//[^/?#]*@", "//", base_url)  # without a user and password (a review)
     try:
         url = httpx.URL(base_url)
     except httpx.InvalidURL as exc:
-        raise ValueError(f"base_url {base_url!r} is not a URL ({exc})") from None
+        raise ValueError(f"base_url {shown!r} is not a URL ({exc})") from None
     if url.scheme not in ("http", "https") or not url.host:
         bare = "://" not in base_url and not base_url.lower().startswith(("http:", "https:", "/"))
         hint = f" (did you mean 'http://{base_url}'?)" if bare else ""
         raise ValueError(
-            f"base_url must be an http:// or https:// URL with a host, got {base_url!r}{hint}"
+            f"base_url must be an http:// or https:// URL with a host, got {shown!r}{hint}"
         )
 
 
@@ -625,6 +627,9 @@ class HttpClient(ClosingContext, Client):
                 # Dropped without close(): its connections closed, not left to the collector
                 # (a ResourceWarning for each; a soak trial). Each loop's close with it.
                 self._sync_finalizer = weakref.finalize(self, _close_sync, self._sync)
+                # Not at exit: a live client's calls from a __del__ or a daemon thread then
+                # still work (closed, they raised httpx's bare RuntimeError; a review).
+                self._sync_finalizer.atexit = False
             return self._sync
 
     def _loop_pool(self) -> _LoopPool:
@@ -653,6 +658,8 @@ class HttpClient(ClosingContext, Client):
         sync, pools = self._shut()
         for pool in pools:
             pool.request_close()
+        if self._sync_finalizer is not None:
+            self._sync_finalizer.detach()
         _close_sync(sync)
 
     def _shut(self) -> tuple[_Shards[httpx.Client] | None, list[_LoopPool]]:

@@ -638,7 +638,8 @@ class InProcessClient(ClosingContext, Client):
             when_done=partial(_when_closed_and_idle, self._loops, weakref.ref(self))
         )
         self._portal: PortalThread | None = None
-        self._threads_lock = threading.Lock()
+        # Reentrant: a signal handler's close() on a thread starting the portal (a review).
+        self._threads_lock = threading.RLock()
         self._portal_finalizer: weakref.finalize[Any, Any] | None = None
         self._batch_decoder_finalizer: weakref.finalize[Any, Any] | None = None
         self._made_in = os.getpid()  # the process whose threads run it
@@ -660,7 +661,7 @@ class InProcessClient(ClosingContext, Client):
         and the decoders' threads are not here, so a call would wait for them for ever (a
         ProcessPoolExecutor's workers with a module-level client hung). Every call is refused
         saying why and what to do; ``close()`` has nothing left to stop."""
-        self._threads_lock = threading.Lock()
+        self._threads_lock = threading.RLock()
         for finalizer in (self._portal_finalizer, self._batch_decoder_finalizer):
             if finalizer is not None:  # at exit, it would wait on the parent's threads' locks
                 finalizer.detach()
@@ -790,7 +791,8 @@ class InProcessClient(ClosingContext, Client):
     def stats(self) -> dict[Mode, StatsSnapshot]:
         """Per mode the model serves: batches, samples, batch-size histogram, queue wait and
         forward percentiles."""
-        return {mode: stats.snapshot() for mode, stats in self._stats.items()}
+        # A copy first: a mode a subclass's check_mode lets through is added at its first call.
+        return {mode: stats.snapshot() for mode, stats in tuple(self._stats.items())}
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -1187,9 +1189,13 @@ class InProcessClient(ClosingContext, Client):
             if sys.is_finalizing():  # a thread started now would never run: the call hung
                 raise ClientClosedError(_EXITING)
             if self._portal is None:
-                self._portal = PortalThread(name=f"histoinfer-portal-{self._model_name}")
+                portal = PortalThread(name=f"histoinfer-portal-{self._model_name}")
+                if self._calls.closed:  # by a signal handler, while it started: nothing would
+                    portal.stop(timeout=0)  # stop it
+                    raise self._calls.refusal()
+                self._portal = portal
                 # Stops the portal if the client is dropped, or at interpreter exit.
-                self._portal_finalizer = weakref.finalize(self, self._portal.stop)
+                self._portal_finalizer = weakref.finalize(self, portal.stop)
             return self._portal
 
     def _stop_threads(self, wait: bool = True) -> None:

@@ -61,31 +61,37 @@ class InFlight:
     def call(self) -> Iterator[None]:
         """One call: refused once closed; counted while it runs."""
         self.enter()
-        here = self._here  # as here(), inline: one generator a call, not two
-        here.depth = getattr(here, "depth", 0) + 1
+        # As here(), inline (one generator a call, not two). The entering thread's own count,
+        # held: a suspended call may be closed on another thread (its abandoned loop's tasks
+        # collected there), which must neither miss exit() nor count on its own thread.
+        counts: dict[str, int] = self._here.__dict__
+        counts["depth"] = counts.get("depth", 0) + 1
         try:
             yield
         finally:
-            here.depth -= 1
-            self.exit()
+            try:
+                self.exit()
+            finally:
+                counts["depth"] -= 1
 
     @contextmanager
     def here(self) -> Iterator[None]:
         """A call of this thread, for :meth:`held_here` (a sync call whose work, counted by
         :meth:`call`, runs on another thread marks its own thread so)."""
-        here = self._here
-        here.depth = getattr(here, "depth", 0) + 1
+        counts: dict[str, int] = self._here.__dict__  # this thread's, as in call()
+        counts["depth"] = counts.get("depth", 0) + 1
         try:
             yield
         finally:
-            here.depth -= 1
+            counts["depth"] -= 1
 
     def held_here(self) -> bool:
         """Is a call of this thread in flight? Then ``close()`` runs beneath it (in a signal
         handler, say, that interrupted it) and must not wait for it: that call goes on only
         once ``close()`` has returned (a SIGTERM handler that closed the client hung for ever
         while the main thread was in ``predict_batch``)."""
-        return getattr(self._here, "depth", 0) > 0
+        counts: dict[str, int] = self._here.__dict__
+        return counts.get("depth", 0) > 0
 
     def enter(self) -> None:
         with self._idle:

@@ -802,14 +802,14 @@ class ServerModel:
     ) -> None:
         """One output of the load-time probe: a tensor of the shape model.json describes (for
         the probe's batch: flat, or ``shaped`` by its output_shape), and finite."""
-        wanted = {shape, shaped} - {None}
+        wanted = {shape} if shaped is None else {shape, shaped}
         if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) not in wanted:
             actual: object = tensor  # None
             if isinstance(tensor, torch.Tensor):
                 actual = tuple(tensor.shape)
             elif tensor is not None:
                 actual = f"{type(tensor).__name__} (not a tensor)"
-            described = f"{shaped} or {shape}" if shaped is not None else f"{shape}"
+            described = f"{shaped} or {shape}" if shaped not in (None, shape) else f"{shape}"
             raise CheckpointError(
                 f"checkpoint {self.checkpoint.path} returns {name} of shape {actual} for a "
                 f"probe batch of {shape[0]}, but its assets (model.json) describe {described}"

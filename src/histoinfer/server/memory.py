@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import sys
 from collections.abc import Callable
 
 import anyio
@@ -30,9 +31,11 @@ WORTH_TRIMMING = 64 * 1024 * 1024
 
 def _malloc_trim() -> Callable[[int], int] | None:
     """glibc's ``malloc_trim``, or None where the C library has none."""
+    if not sys.platform.startswith("linux"):  # (Windows' CDLL(None) raises TypeError)
+        return None
     try:
         trim: Callable[[int], int] = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
+    except (OSError, AttributeError):  # musl
         return None
     return trim
 
