@@ -654,6 +654,8 @@ def test_both_servers_queue_as_many_connections_as_uvicorn(
     import hypercorn.asyncio
     import uvicorn
 
+    from histoinfer.server.guarded_http import GuardedHttpToolsProtocol
+
     backlogs: list[int] = []
 
     async def hypercorn_serve(app: object, config: object, **kwargs: object) -> None:
@@ -661,6 +663,7 @@ def test_both_servers_queue_as_many_connections_as_uvicorn(
 
     def uvicorn_run(self: uvicorn.Server, *args: object, **kwargs: object) -> None:
         backlogs.append(self.config.backlog)
+        assert self.config.http is GuardedHttpToolsProtocol  # its heads bounded
 
     monkeypatch.setattr(hypercorn.asyncio, "serve", hypercorn_serve)
     monkeypatch.setattr(uvicorn.Server, "run", uvicorn_run)  # histoinfer's subclass runs it

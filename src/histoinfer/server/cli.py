@@ -382,6 +382,16 @@ def _authority(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def _http_protocol() -> Any:
+    """uvicorn's httptools protocol with a request's head bounded (server/guarded_http.py);
+    without httptools, uvicorn's choice (h11, which bounds a head at 16 KiB)."""
+    try:
+        from .guarded_http import GuardedHttpToolsProtocol
+    except ImportError:
+        return "auto"
+    return GuardedHttpToolsProtocol
+
+
 def _run_uvicorn(app: Any, state: ServerState, args: argparse.Namespace) -> None:
     import uvicorn
 
@@ -436,12 +446,14 @@ def _run_uvicorn(app: Any, state: ServerState, args: argparse.Namespace) -> None
         timeout_graceful_shutdown=args.graceful_timeout,  # type: ignore[arg-type]
         timeout_keep_alive=args.keep_alive_timeout,  # type: ignore[arg-type]
         backlog=_BACKLOG,
+        http=_http_protocol(),
     )
     server = Server(config)
     uvicorn_log = logging.getLogger("uvicorn.error")  # configured by Config just now
-    for old in [f for f in uvicorn_log.filters if isinstance(f, ThrottledInvalidRequests)]:
-        uvicorn_log.removeFilter(old)  # a second serve in this process (tests)
-    uvicorn_log.addFilter(ThrottledInvalidRequests())
+    for logger in (uvicorn_log, logging.getLogger("asyncio")):
+        for old in [f for f in logger.filters if isinstance(f, ThrottledInvalidRequests)]:
+            logger.removeFilter(old)  # a second serve in this process (tests)
+        logger.addFilter(ThrottledInvalidRequests())
 
     def stop() -> None:
         server.should_exit = True
