@@ -31,12 +31,16 @@ PARSERS = ("h11", "httptools")
 
 
 def serve_with(parser: str) -> int:
-    """``histoinfer serve`` with uvicorn's "auto" HTTP protocol pinned to ``parser``."""
+    """``histoinfer serve`` with its HTTP protocol pinned to ``parser``: uvicorn's h11 one, or
+    the httptools one ``serve`` runs (with its request heads bounded: server/guarded_http.py)."""
     import uvicorn.config
 
     from histoinfer.cli import main
+    from histoinfer.server import cli as server_cli
 
     uvicorn.config.HTTP_PROTOCOLS["auto"] = uvicorn.config.HTTP_PROTOCOLS[parser]
+    if parser == "h11":
+        server_cli._http_protocol = lambda: "h11"  # type: ignore[attr-defined]
     return main()
 
 
