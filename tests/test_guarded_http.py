@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import anyio
 import pytest
 from test_server_support import ThreadServer
 
@@ -19,13 +20,16 @@ pytestmark = pytest.mark.timeout(60)
 
 
 async def ok(scope: dict[str, Any], receive: Any, send: Any) -> None:
-    """Every request answered 200 (lifespan events acknowledged)."""
+    """Every request answered 200 (``/slow`` after 1.5 s; lifespan events acknowledged)."""
     if scope["type"] == "lifespan":
         while (await receive())["type"] != "lifespan.shutdown":
             await send({"type": "lifespan.startup.complete"})
         await send({"type": "lifespan.shutdown.complete"})
         return
-    await send({"type": "http.response.start", "status": 200, "headers": []})
+    if scope["path"] == "/slow":
+        await anyio.sleep(1.5)
+    headers = [(b"content-length", b"2")]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
     await send({"type": "http.response.body", "body": b"ok"})
 
 
@@ -33,7 +37,7 @@ async def ok(scope: dict[str, Any], receive: Any, send: Any) -> None:
 def server() -> Iterator[ThreadServer]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(guarded_http, "HEAD_TIMEOUT_S", 0.5)
-        served = ThreadServer(ok, http=GuardedHttpToolsProtocol)
+        served = ThreadServer(ok, http=GuardedHttpToolsProtocol, timeout_keep_alive=2)
         try:
             yield served
         finally:
@@ -43,6 +47,16 @@ def server() -> Iterator[ThreadServer]:
 def connect(server: ThreadServer) -> socket.socket:
     connection = socket.create_connection(("127.0.0.1", server.port), timeout=20)
     return connection
+
+
+def response(connection: socket.socket) -> bytes:
+    """One of ``ok``'s answers, whole (its body is ``ok``), on a connection kept alive."""
+    got = b""
+    while not got.endswith(b"\r\n\r\nok"):
+        chunk = connection.recv(65536)
+        assert chunk, got
+        got += chunk
+    return got
 
 
 def answer(connection: socket.socket) -> bytes:
@@ -64,6 +78,18 @@ def test_a_head_too_large_is_refused_431(server: ThreadServer) -> None:
         assert answer(connection).startswith(b"HTTP/1.1 200")
 
 
+def test_one_endless_header_line_is_refused_431(server: ThreadServer) -> None:
+    """Regression (a review): httptools buffers a header until its line ends, so counting
+    parsed headers let one endless line grow (92 MiB in 8 s) until the head's timeout."""
+    with connect(server) as connection:
+        connection.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nX-A: ")
+        with pytest.raises(OSError):  # refused and closed while we still send
+            for _ in range(64):
+                connection.sendall(b"a" * 16384)
+                time.sleep(0.005)
+        assert answer(connection).startswith(b"HTTP/1.1 431")
+
+
 def test_a_head_too_slow_is_refused_408_and_a_silent_connection_closed(
     server: ThreadServer,
 ) -> None:
@@ -71,8 +97,32 @@ def test_a_head_too_slow_is_refused_408_and_a_silent_connection_closed(
         slow.sendall(b"GET /he")
         started = time.monotonic()
         assert answer(slow).startswith(b"HTTP/1.1 408 Request Timeout")
-        assert answer(silent) == b""
-        assert time.monotonic() - started < 10
+        assert time.monotonic() - started < 5
+        assert answer(silent) == b""  # closed after the keep-alive timeout (2 s here)
+        assert 1.5 < time.monotonic() - started < 10
+
+
+def test_a_stray_line_end_after_a_response_starts_the_clock(server: ThreadServer) -> None:
+    """Regression (a review): a bare CRLF cancelled uvicorn's keep-alive timer and began no
+    request, so the connection had no timer at all and stayed open for ever."""
+    with connect(server) as connection:
+        connection.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert response(connection).startswith(b"HTTP/1.1 200")
+        connection.sendall(b"\r\n")
+        started = time.monotonic()
+        assert answer(connection).startswith(b"HTTP/1.1 408")
+        assert time.monotonic() - started < 1.8  # the head's 0.5 s, not the keep-alive's 2
+
+
+def test_a_pipelined_head_behind_a_slow_response_is_refused_after_it(
+    server: ThreadServer,
+) -> None:
+    """Regression (a review): the head's timer, firing while the response before it ran,
+    was not set again: that head then had no time limit."""
+    with connect(server) as connection:
+        connection.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\nGET / HTTP/1.1\r\nX-")
+        got = answer(connection)
+        assert got.startswith(b"HTTP/1.1 200") and b"\r\n\r\nokHTTP/1.1 408" in got
 
 
 def test_a_kept_alive_connection_is_timed_out_only_in_a_head(server: ThreadServer) -> None:
@@ -80,9 +130,9 @@ def test_a_kept_alive_connection_is_timed_out_only_in_a_head(server: ThreadServe
     less than the keep-alive timeout) is served, and a second slow head refused."""
     with connect(server) as connection:
         connection.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert connection.recv(65536).startswith(b"HTTP/1.1 200")
+        assert response(connection).startswith(b"HTTP/1.1 200")
         time.sleep(1.0)  # twice the head's timeout; under uvicorn's keep-alive timeout (5 s)
         connection.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert connection.recv(65536).startswith(b"HTTP/1.1 200")
+        assert response(connection).startswith(b"HTTP/1.1 200")
         connection.sendall(b"GET / HTTP/1.1\r\n")
         assert b"HTTP/1.1 408 Request Timeout" in answer(connection)  # after the 200's end

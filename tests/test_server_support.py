@@ -86,13 +86,13 @@ def serve(args: Sequence[str], *, script: bool = False, ready_s: float = 90.0) -
 class ThreadServer:
     """uvicorn serving ``app`` on a free loopback port, in a thread of this process."""
 
-    def __init__(self, app: Any, ready_s: float = 60.0, http: Any = "auto") -> None:
+    def __init__(self, app: Any, ready_s: float = 60.0, **options: Any) -> None:
         import uvicorn
 
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(
-            app, host="127.0.0.1", port=self.port, lifespan="on", log_level="warning", http=http
+            app, host="127.0.0.1", port=self.port, lifespan="on", log_level="warning", **options
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="uvicorn-test", daemon=True)

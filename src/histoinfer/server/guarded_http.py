@@ -6,15 +6,25 @@ out only idle keep-alive connections, not a head that never ends. A security tri
 connection streamed header lines and took the server from 313 MB to 3.6 GB in 10 s, and
 20,000 connections that each sent ``GET /he`` and nothing more held the server's every file
 descriptor (a good client waited 19 s). hypercorn (h11) answers 431 and closes such
-connections after its keep-alive timeout; this does the same for uvicorn: a head over
-:data:`MAX_HEAD_BYTES` is answered ``431``, and one not complete :data:`HEAD_TIMEOUT_S` after
-the connection opened (or after its request's first byte, on a kept-alive connection) is
-answered ``408``; both close the connection.
+connections; this does the same for uvicorn:
+
+- a head's bytes are counted as they arrive (httptools buffers a header until its line ends,
+  so counting parsed headers missed one endless header line): past :data:`MAX_HEAD_BYTES`,
+  ``431`` and the connection closed;
+- a head not complete :data:`HEAD_TIMEOUT_S` after its first byte (a stray CRLF between
+  requests included) is answered ``408`` and the connection closed; should a response to an
+  earlier, pipelined request still be running then, once that response has gone;
+- a new connection that sends nothing is closed after the keep-alive timeout, as an idle
+  kept-alive one is (``--keep-alive-timeout``: a load balancer's pre-opened connections wait
+  that long, not less).
+
+Each refusal is logged (once a minute at most: ``ThrottledInvalidRequests``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -24,12 +34,15 @@ __all__ = ["HEAD_TIMEOUT_S", "MAX_HEAD_BYTES", "GuardedHttpToolsProtocol"]
 #: the most bytes of request line and headers a request may send (nginx's default buffers
 #: hold 32 KiB, h11's 16 KiB)
 MAX_HEAD_BYTES = 64 * 1024
-#: the most seconds a request's head may take to arrive
+#: the most seconds a request's head may take to arrive, from its first byte
 HEAD_TIMEOUT_S = 10.0
+#: how often a head past its time looks again whether the response before it has gone
+_RECHECK_S = 0.5
 
+HEAD_TOO_LARGE = "Request head too large."
+HEAD_TOO_SLOW = "Request head too slow."
 
-class _HeadTooLarge(Exception):
-    pass
+log = logging.getLogger("uvicorn.error")
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -37,51 +50,56 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        #: the bytes now arriving belong to a request's head (or to the gap before one)
+        self._in_head = True
         self._head_bytes = 0
-        self._head_too_large = False
+        self._messages = 0  # requests parsed whole, to see one end within a chunk
+        self._begun = False  # a request's first bytes parsed, its head not yet whole
         self._head_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._arm_head_timer()  # a connection that sends nothing is timed out too
+        # Nothing sent yet: closed as an idle kept-alive connection is (uvicorn's own timer,
+        # which the first byte cancels).
+        self.timeout_keep_alive_task = self.loop.call_later(
+            self.timeout_keep_alive, self.timeout_keep_alive_handler
+        )
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_timer()
         super().connection_lost(exc)
 
+    def data_received(self, data: bytes) -> None:
+        in_head, messages = self._in_head, self._messages
+        super().data_received(data)
+        if not self._in_head or self.transport.is_closing():
+            return
+        if in_head and self._messages == messages:  # all of it one head, or the gap before
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                log.warning(HEAD_TOO_LARGE)
+                self._refuse(431, "Request Header Fields Too Large", b"request head too large")
+                return
+            begun = True  # (a stray line end before a request too)
+        else:  # a request ended in it: does a next one's head (uncounted) follow it?
+            begun = self._begun
+        if begun and self._head_timer is None:
+            self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_too_slow)
+
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._head_bytes = 0
-        if self._head_timer is None:  # the next request on a kept-alive connection
-            self._arm_head_timer()
-
-    def on_url(self, url: bytes) -> None:
-        self._count(len(url))
-        super().on_url(url)
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._count(len(name) + len(value) + 4)  # ": " and CRLF
-        super().on_header(name, value)
+        self._begun = True
 
     def on_headers_complete(self) -> None:
+        self._in_head, self._head_bytes = False, 0
         self._disarm_head_timer()
         super().on_headers_complete()
 
-    def send_400_response(self, msg: str) -> None:
-        # httptools reports a callback's exception as a parse error, which uvicorn answers 400.
-        if self._head_too_large:
-            self._refuse(431, "Request Header Fields Too Large")
-        else:
-            super().send_400_response(msg)
-
-    def _count(self, size: int) -> None:
-        self._head_bytes += size
-        if self._head_bytes > MAX_HEAD_BYTES:
-            self._head_too_large = True
-            raise _HeadTooLarge
-
-    def _arm_head_timer(self) -> None:
-        self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_too_slow)
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        # What follows is the next request's head.
+        self._in_head, self._begun, self._head_bytes = True, False, 0
+        self._messages += 1
 
     def _disarm_head_timer(self) -> None:
         if self._head_timer is not None:
@@ -90,17 +108,17 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def _head_too_slow(self) -> None:
         self._head_timer = None
-        if self.transport.is_closing():
+        if self.transport.is_closing() or not self._in_head:
             return
         if self.cycle is not None and not self.cycle.response_complete:
-            return  # its head arrived; the app is answering it
-        if self._head_bytes:
-            self._refuse(408, "Request Timeout")
-        else:
-            self.transport.close()  # nothing sent: nothing to answer
+            # A pipelined head behind a response still running: refused after it, not in it.
+            self._head_timer = self.loop.call_later(_RECHECK_S, self._head_too_slow)
+            return
+        log.warning(HEAD_TOO_SLOW)
+        self._refuse(408, "Request Timeout", b"request head too slow")
 
-    def _refuse(self, status: int, phrase: str) -> None:
-        body = f"request head {'too large' if status == 431 else 'too slow'}".encode()
+    def _refuse(self, status: int, phrase: str, body: bytes) -> None:
+        self._disarm_head_timer()
         self.transport.write(
             b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\n"
             b"content-length: %d\r\nconnection: close\r\n\r\n%s"

@@ -78,7 +78,14 @@ class ThrottledInvalidRequests(logging.Filter):
     request, which anyone can send by the thousand: a fuzzing trial filled the log) at most
     once a minute each, saying how many it left out."""
 
-    MESSAGES = frozenset({"Invalid HTTP request received.", "Unsupported upgrade request."})
+    MESSAGES = frozenset(
+        {
+            "Invalid HTTP request received.",
+            "Unsupported upgrade request.",
+            "Request head too large.",  # server/guarded_http.py's
+            "Request head too slow.",
+        }
+    )
     #: asyncio's, as a message's first line: logged with a traceback for each connection it
     #: could not accept, up to the listen backlog (2048) a second (a security trial: 1.5
     #: million lines, 112 MB, in 20 s with the file descriptors exhausted)
