@@ -100,8 +100,8 @@ async def test_a_mask_is_the_same_over_http(copy_of_tiny: Path) -> None:
 @pytest.mark.parametrize(
     ("changes", "fragment"),
     [
-        ({"output_shape": [GRID, 0]}, "output_shape: Value error, every dimension must be > 0"),
-        ({"gene_names": ["a", "b"]}, "output_shape: Value error, gene_names has 2 names, but"),
+        ({"output_shape": [GRID, 0]}, "output_shape: every dimension must be > 0"),
+        ({"gene_names": ["a", "b"]}, "output_shape: gene_names has 2 names, but"),
         ({"output_shape": [7, 7]}, "returns predictions of shape (2, 14, 14) for a probe batch"),
         ({"modes": ["predict", "embed"]}, "embedding_size is missing, but it serves embed"),
     ],
@@ -115,6 +115,14 @@ def test_a_mask_model_json_that_does_not_fit_is_refused(
     message = load_fails(path, fragment)
     if "(2, 14, 14)" in message:  # both layouts the model would take are named
         assert "describe (2, 7, 7) or (2, 49)" in message
+
+
+def test_a_model_serving_embed_alone_reports_no_predictions(copy_of_tiny: Path) -> None:
+    """Its model.json's output_shape (or genes) describe nothing it serves (a trial: it
+    reported a 14x14 output)."""
+    edit_assets(copy_of_tiny, modes=["embed"], output_shape=[4, 4], gene_names=[])
+    meta = H1ServerModel.from_files(copy_of_tiny / "model.pt2").metadata()
+    assert (meta.modes, meta.output_size, meta.output_shape) == (["embed"], 0, None)
 
 
 def test_predictions_with_neither_names_nor_a_shape_are_refused(copy_of_tiny: Path) -> None:

@@ -192,4 +192,6 @@ def _problem(error: ErrorDetails) -> str:
     if error["type"] == "extra_forbidden" and len(error["loc"]) == 1:
         close = difflib.get_close_matches(str(error["loc"][0]), ModelAssets.model_fields, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return f"{where}: {error['msg']}{hint}"
+    # A validator's own words, without pydantic's "Value error, " before them.
+    message = error["msg"].removeprefix("Value error, ")
+    return f"{where}: {message}{hint}"

@@ -830,6 +830,7 @@ class ServerModel:
 
     def _build_metadata(self) -> ModelMetadata:
         a = self.assets
+        predicting = any(mode != "embed" for mode in self.modes)
         return ModelMetadata(
             name=a.name,
             version=a.version,
@@ -841,8 +842,9 @@ class ServerModel:
             interpolation=a.interpolation,
             modes=list(self.modes),
             gene_names=a.gene_names,
-            output_size=a.output_size,
-            output_shape=a.output_shape,
+            # A model serving embed alone predicts nothing, whatever its model.json describes.
+            output_size=a.output_size if predicting else 0,
+            output_shape=a.output_shape if predicting else None,
             embedding_size=a.embedding_size or 0,  # left out: a model serving predict alone
             accepts_bulk_rna=a.accepts_bulk_rna,
             trained=a.trained,
