@@ -78,6 +78,15 @@ def test_a_head_too_large_is_refused_431(server: ThreadServer) -> None:
         assert answer(connection).startswith(b"HTTP/1.1 200")
 
 
+def test_a_whole_head_too_large_in_one_read_is_refused_431(server: ThreadServer) -> None:
+    """A head that arrives whole in one read is parsed at once (counted as parsed, not by
+    the reads it spans: a review found 70 KB in one read served)."""
+    big = b"X-Big: " + b"a" * (MAX_HEAD_BYTES + 1000) + b"\r\n"
+    with connect(server) as connection:
+        connection.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n" + big + b"\r\n")
+        assert answer(connection).startswith(b"HTTP/1.1 431")
+
+
 def test_one_endless_header_line_is_refused_431(server: ThreadServer) -> None:
     """Regression (a review): httptools buffers a header until its line ends, so counting
     parsed headers let one endless line grow (92 MiB in 8 s) until the head's timeout."""
