@@ -46,6 +46,11 @@ class _HeadTooLarge(Exception):
 
 HEAD_TOO_LARGE = "Request head too large."
 HEAD_TOO_SLOW = "Request head too slow."
+#: each refusal: its status line's phrase, its log line, its body
+_REFUSALS = {
+    431: ("Request Header Fields Too Large", HEAD_TOO_LARGE, b"request head too large"),
+    408: ("Request Timeout", HEAD_TOO_SLOW, b"request head too slow"),
+}
 
 log = logging.getLogger("uvicorn.error")
 
@@ -84,8 +89,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if in_head and self._messages == messages:  # all of it one head, or the gap before
             self._head_bytes += len(data)
             if self._head_bytes > MAX_HEAD_BYTES:
-                log.warning(HEAD_TOO_LARGE)
-                self._refuse(431, "Request Header Fields Too Large", b"request head too large")
+                self._refuse(431)
                 return
             begun = True  # (a stray line end before a request too)
         else:  # a request ended in it: does a next one's head (uncounted) follow it?
@@ -116,8 +120,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def send_400_response(self, msg: str) -> None:
         if self._parsed_too_large:
-            log.warning(HEAD_TOO_LARGE)
-            self._refuse(431, "Request Header Fields Too Large", b"request head too large")
+            self._refuse(431)
         else:
             super().send_400_response(msg)
 
@@ -128,8 +131,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
-        # What follows is the next request's head.
-        self._in_head, self._begun, self._head_bytes = True, False, 0
+        self._in_head, self._begun = True, False  # what follows is the next request's head
         self._messages += 1
 
     def _disarm_head_timer(self) -> None:
@@ -145,10 +147,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             # A pipelined head behind a response still running: refused after it, not in it.
             self._head_timer = self.loop.call_later(_RECHECK_S, self._head_too_slow)
             return
-        log.warning(HEAD_TOO_SLOW)
-        self._refuse(408, "Request Timeout", b"request head too slow")
+        self._refuse(408)
 
-    def _refuse(self, status: int, phrase: str, body: bytes) -> None:
+    def _refuse(self, status: int) -> None:
+        phrase, said, body = _REFUSALS[status]
+        log.warning(said)
         self._disarm_head_timer()
         self.transport.write(
             b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\n"
