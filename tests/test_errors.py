@@ -46,6 +46,13 @@ def test_http_status_follows_the_spec(cls: type[InferenceError], status: int) ->
     assert cls.http_status == status
 
 
+def test_only_what_may_pass_later_is_retryable() -> None:
+    """``retryable`` by class, as ``InProcessClient`` raises them: a full queue and a missed
+    deadline may pass; a refused body, a failing pass, a closed client would fail again."""
+    assert [cls for cls in ALL if cls.retryable] == [OverloadedError, DeadlineExceededError]
+    assert OverloadedError("queue full").retryable and not ClientClosedError("closed").retryable
+
+
 def test_problem_types_are_distinct_urls() -> None:
     types = [cls.problem_type() for cls in ALL]
     assert len(set(types)) == len(types)

@@ -11,6 +11,7 @@ import contextlib
 import gc
 import json
 import logging
+import pickle
 import re
 import socket
 import ssl
@@ -185,15 +186,19 @@ async def test_4xx_and_500_are_never_retried(server):
         HttpClient(server.base_url, "flaky", retries=5, backoff=0.01) as flaky,
         HttpClient(server.base_url, "h9", retries=5, backoff=0.01) as unknown,
     ):
-        with pytest.raises(InvalidRequestError, match="missing required field"):
+        with pytest.raises(InvalidRequestError, match="missing required field") as bad:
             await client.predict_async("{}", session=session)
         assert counter.n == 1
-        with pytest.raises(InvalidRequestError, match="unknown model 'h9'"):
+        with pytest.raises(InvalidRequestError, match="unknown model 'h9'") as unknown_model:
             await unknown.embed_async(make_body(0), session=session)
         assert counter.n == 2
-        with pytest.raises(ModelExecutionError, match="white tile"):
+        with pytest.raises(ModelExecutionError, match="white tile") as failed:
             await flaky.predict_async(white_body(), session=session)
         assert counter.n == 3
+        # Each error carries the status its answer did (the 404 is no 422), and none of
+        # them would succeed if sent again.
+        answered = [(e.value.http_status, e.value.retryable) for e in (bad, unknown_model, failed)]
+        assert answered == [(422, False), (404, False), (500, False)]
         # The flaky model fails only the white tile; its batch neighbours succeed.
         assert json.loads(await flaky.embed_async(make_body(1), session=session))["patch_idx"] == 1
 
@@ -210,6 +215,7 @@ async def test_connection_errors_are_retried_then_reported():
             await client.predict_async(make_body(0), session=session)
         assert counter.n == 4
         assert isinstance(err.value.__cause__, httpx.ConnectError)
+        assert err.value.retryable  # a server out of reach may be back later
     url = f"http://127.0.0.1:{port}/api/metadata/h1"
     with (
         HttpClient(f"http://127.0.0.1:{port}", retries=2, backoff=0.01) as client,
@@ -494,8 +500,9 @@ async def test_a_closed_client_refuses_every_call(server):
     ):
         with pytest.raises(ClientClosedError, match="the client is closed"):
             call()
-    with pytest.raises(ClientClosedError, match=r"closed \(for good: make a new client"):
+    with pytest.raises(ClientClosedError, match=r"closed \(for good: make a new client") as e:
         await client.embed_async(make_body(0))
+    assert not e.value.retryable  # unlike a draining server's "closed" answer
     with HttpClient(server.base_url) as sync_client:
         sync_client.embed(make_body(0))
     with pytest.raises(ClientClosedError):
@@ -1489,6 +1496,40 @@ def test_a_503_whose_retries_ran_out_keeps_its_retry_after():
     ):
         client.predict(make_body(0))
     assert info.value.retry_after == 0.0 and handler.n == 2  # retried once, then raised
+    assert info.value.retryable and info.value.http_status == 503
+
+
+@pytest.mark.parametrize(
+    ("status", "slug", "cls", "retryable"),
+    [
+        (503, "closed", ClientClosedError, True),  # the server drains: not this client
+        (503, "not-ready", OverloadedError, True),
+        (429, None, OverloadedError, True),
+        (502, None, InferenceError, True),
+        (408, "request-timeout", InvalidRequestError, True),
+        (413, "payload-too-large", InvalidRequestError, False),
+        (500, "inference-error", InferenceError, False),
+        (422, "invalid-request", InvalidRequestError, False),
+    ],
+)
+def test_an_http_error_says_its_answers_status_and_whether_to_send_it_again(
+    status: int, slug: str | None, cls: type[InferenceError], retryable: bool
+) -> None:
+    """What a caller decides on without reading messages (an evaluator coming from Triton: a
+    draining server's ClientClosedError read like a closed client, a 404 said 422)."""
+    request = httpx.Request("POST", "http://h/api/predict/h1")
+    if slug is None:
+        answer = httpx.Response(status, text="from a gateway", request=request)
+    else:
+        problem = {"type": f"https://histoinfer.dev/problems/{slug}", "detail": "said"}
+        headers = {"content-type": "application/problem+json"}
+        answer = httpx.Response(status, headers=headers, json=problem, request=request)
+    error = http_module._error_from(answer)
+    assert type(error) is cls
+    assert (error.http_status, error.retryable) == (status, retryable)
+    assert cls.http_status == pickle.loads(pickle.dumps(cls("x"))).http_status
+    again = pickle.loads(pickle.dumps(error))  # a process pool's worker hands it back whole
+    assert (again.http_status, again.retryable) == (status, retryable)
 
 
 @pytest.mark.parametrize(

@@ -1128,6 +1128,31 @@ async def test_a_cancelled_async_batch_stops_after_the_pass_it_is_in(
 
 
 @pytest.mark.anyio
+async def test_a_cancelled_async_batch_returns_before_the_pass_it_is_in_ends(
+    model: CountingModel, client: InProcessClient
+) -> None:
+    """Regression (a user trial): anyio's cancellation (``fail_after``, a cancel scope, Ctrl-C
+    on trio) waited out the pass under way, seconds on a ViT, where asyncio's own returned at
+    once. The caller is back while the pass is still held; the pass then ends, no other
+    starts, and ``aclose()`` waits for it."""
+    model.gate = threading.Event()
+    try:
+        with anyio.fail_after(30):
+            with anyio.move_on_after(30) as scope:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(client.predict_batch_async, [make_body(i) for i in range(20)])
+                    await wait_until(model.entered.is_set)
+                    scope.cancel()
+            # Back while the pass is held at its gate, that is, before it could end.
+            assert scope.cancelled_caught and not model.gate.is_set()
+            model.gate.set()
+            await client.aclose()
+            assert model.calls == [(4, "predict")]
+    finally:
+        model.gate.set()
+
+
+@pytest.mark.anyio
 async def test_an_async_batch_refuses_as_the_sync_one(client: InProcessClient) -> None:
     bodies = [make_body(0), "{not json", make_body(2), make_body(3, width=100)]
     with pytest.raises(InvalidRequestError) as sync_info:

@@ -54,3 +54,15 @@ def test_the_packages_listing_is_its_public_names():
     assert not {"Any", "TYPE_CHECKING", "annotations", "_LAZY"} & set(names)
     with pytest.raises(AttributeError, match="no attribute 'InprocessClient'"):
         histoinfer.InprocessClient  # noqa: B018
+
+
+def test_every_error_imports_from_the_package_too():
+    """``except* InvalidRequestError`` in the README's example needs no submodule (an
+    evaluator's ``histoinfer.OverloadedError`` raised AttributeError)."""
+    import histoinfer
+    import histoinfer.errors
+
+    for name in histoinfer.errors.__all__:
+        if name[0].isupper():
+            assert getattr(histoinfer, name) is getattr(histoinfer.errors, name)
+            assert name in histoinfer.__all__

@@ -1,7 +1,8 @@
 """histoinfer: computational-pathology tile models behind one client API.
 
 The contract (schema, errors, the ``Client`` protocol) imports eagerly (~0.4 s, mostly numpy
-and pydantic, which the schema needs). Everything heavier is imported on first use, so ``from
+and pydantic, which the schema needs); the errors import from here as from
+``histoinfer.errors``. Everything heavier is imported on first use, so ``from
 histoinfer import HttpClient`` never imports torch and ``from histoinfer import
 InProcessClient`` never imports a web framework.
 """
@@ -11,6 +12,16 @@ from __future__ import annotations
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from .errors import (
+    ClientClosedError,
+    DeadlineExceededError,
+    InferenceError,
+    InvalidRequestError,
+    ModelExecutionError,
+    OverloadedError,
+    ThreadAbortedError,
+    UnsupportedModeError,
+)
 from .protocol import Client
 from .schema import ModelMetadata, ModelRequest, ModelResponse
 
@@ -26,12 +37,20 @@ __version__ = "0.1.0"
 __all__ = [
     "BatchScheduler",
     "Client",
+    "ClientClosedError",
+    "DeadlineExceededError",
     "HttpClient",
     "InProcessClient",
+    "InferenceError",
+    "InvalidRequestError",
+    "ModelExecutionError",
     "ModelMetadata",
     "ModelRequest",
     "ModelResponse",
+    "OverloadedError",
     "ServerModel",
+    "ThreadAbortedError",
+    "UnsupportedModeError",
     "__version__",
     "available_models",
     "build_server_model",

@@ -30,7 +30,16 @@ class InferenceError(Exception):
 
     problem_slug = "inference-error"
     title = "Inference error"
+    #: The HTTP status the microservice answers this error with. On an error ``HttpClient``
+    #: raised from an answer, the status that answer carried (a 404 for an unknown model is an
+    #: ``InvalidRequestError`` whose ``http_status`` is 404, not the class's 422).
     http_status = 500
+    #: Whether the same request, sent again unchanged a little later, may succeed: a full
+    #: queue, a missed deadline, a server loading, draining or out of reach. False where it
+    #: would fail the same way (a refused body, a failing pass) and for a client closed for
+    #: good. ``HttpClient`` has already retried what its ``retries`` allow by the time it
+    #: raises one.
+    retryable = False
     #: The ``X-Request-ID`` of the HTTP answer that carried this error (``HttpClient``): the
     #: one the request sent, or the one the server made up to name it in its log (every
     #: error it logs: 500s, and 503s that shed load). None in-process.
@@ -76,6 +85,7 @@ class OverloadedError(InferenceError):
     problem_slug = "overloaded"
     title = "Overloaded"
     http_status = 503
+    retryable = True
     #: Seconds the server asked the caller to wait (its ``Retry-After``), where the error came
     #: from an HTTP answer that carried one (``HttpClient``); otherwise None.
     retry_after: float | None = None

@@ -94,6 +94,9 @@ _PROBLEM_JSON = "application/problem+json"
 _NOT_JSON = (ValueError, RecursionError)
 _ACCEPT = "application/json, application/problem+json"
 _RETRY_STATUSES = frozenset({502, 503, 504})
+# Answers that may differ if the request comes again later: those retried, a gateway's or rate
+# limiter's 429, a body that stalled (408).
+_TRANSIENT_STATUSES = _RETRY_STATUSES | {408, 429}
 # Failures where the request can safely be sent again: inference is a pure function.
 _RETRY_ERRORS = (httpx.NetworkError, httpx.ConnectTimeout, httpx.RemoteProtocolError)
 # What a non-string batch element becomes on the wire: only its type matters to the server,
@@ -772,10 +775,12 @@ class _Attempt:
                 why = f"no answer within {_describe(self.client.timeout)}"
             else:
                 why = "cannot reach the server"
-            raise InferenceError(
+            error = InferenceError(
                 f"{self.method} {_shown(httpx.URL(self.url))} failed{tries}: {why} "
                 f"({type(exc).__name__}: {_os_reason(exc) or exc})"
-            ) from exc
+            )
+            error.retryable = isinstance(exc, (*_RETRY_ERRORS, httpx.TimeoutException))
+            raise error from exc
         return self._next(None)
 
     def answered(self, response: httpx.Response) -> float | None:
@@ -855,6 +860,9 @@ def _error_from(response: httpx.Response) -> InferenceError:
     if isinstance(error, OverloadedError):
         error.retry_after = _retry_after(response.headers.get("retry-after"))
     error.request_id = response.headers.get("x-request-id")
+    error.http_status = response.status_code
+    if response.status_code in _TRANSIENT_STATUSES:
+        error.retryable = True  # the server's "closed" 503 too: it drains, another may not
     return error
 
 

@@ -771,14 +771,21 @@ class InProcessClient(ClosingContext, Client):
     async def infer_batch_async(self, bodies: list[str], mode: Mode) -> list[str]:
         """``infer_batch`` on a worker thread, so that the loop goes on while the batch runs
         (the sync call blocks it: every other task, a server's every request, waits). Cancelled,
-        the call stops at its next slice of decoding or forward pass, as a hung-up ``/batch``
-        request does, and answers nothing; nothing after that point is computed."""
+        the call returns at once, and its thread stops at its next slice of decoding or forward
+        pass, as a hung-up ``/batch`` request does; nothing after that point is computed, and
+        ``aclose()`` waits for the slice under way."""
         call = _ThreadCall(self._calls)
         try:
             # A limiter of its own: one of the loop's 40 shared threads held for a whole
-            # slide's batch would starve everything else that uses them.
+            # slide's batch would starve everything else that uses them. Abandoned when
+            # cancelled: anyio's cancellation (a fail_after, Ctrl-C on trio) waited out the
+            # pass under way, seconds on a ViT, where asyncio's own returned at once (a user
+            # trial); the thread sees its caller gone at its next check either way.
             result = await anyio.to_thread.run_sync(
-                call.run, partial(self._infer_batch, bodies, mode), limiter=anyio.CapacityLimiter(1)
+                call.run,
+                partial(self._infer_batch, bodies, mode),
+                limiter=anyio.CapacityLimiter(1),
+                abandon_on_cancel=True,
             )
         except BaseException:
             call.caller_left()
