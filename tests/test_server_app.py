@@ -847,6 +847,67 @@ async def test_a_batch_whose_client_hangs_up_stops_at_its_next_pass(tiny_model, 
         assert r.status_code == 200 and len(r.json()) == 24
 
 
+async def test_a_batch_whose_client_hangs_up_keeps_its_place_until_its_pass_ends(tiny_model):
+    """A hung-up ``/batch`` request is answered at once now (its thread is abandoned, for the
+    graceful timeout's sake), but its place among ``max_batch_calls`` is kept until its pass
+    ends: a client hanging up and sending again could otherwise run any number at once."""
+    model, watch, gate = gated_model(tiny_model)
+    app = create_app(fresh_client(model), warmup=False, max_batch_calls=1)
+    body = json.dumps([make_body(i) for i in range(16)]).encode()
+    async with serving(app) as http:
+        hang_up = anyio.Event()
+        try:
+            with anyio.fail_after(30):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(post_then_hang_up, app, "/api/predict/h1/batch", body, hang_up)
+                    while watch.calls < 1:
+                        await anyio.sleep(0.01)
+                    hang_up.set()
+                    await anyio.wait_all_tasks_blocked()
+                    r = await http.post("/api/predict/h1/batch", content=body)
+                    assert_problem(r, 503, "overloaded")  # its pass still holds the place
+                    gate.set()
+                r = await http.post("/api/predict/h1/batch", content=body)
+                assert r.status_code == 200 and len(r.json()) == 16
+        finally:
+            gate.set()
+        assert watch.sizes == [8, 8, 8]  # the leaver's one pass, then the last call's two
+
+
+@pytest.mark.parametrize("path", ["/api/predict/h1/batch", "/api/predict/h1"])
+async def test_a_request_in_a_long_pass_is_answered_503_before_the_graceful_deadline(
+    tiny_model, path
+):
+    """Regression (a user trial): a ``/batch`` request waited for the pass under way before it
+    answered 503 ``closed``; a pass longer than the time left (seconds on a ViT) let the ASGI
+    server cut it off with a bare 500. Now it is answered while the pass is still held."""
+    model, watch, gate = gated_model(tiny_model)
+    app = create_app(fresh_client(model), warmup=False)
+    body = json.dumps([make_body(i) for i in range(16)]) if "batch" in path else make_body(0)
+    async with serving(app) as http:
+        state: ServerState = app.state.histoinfer
+        answers: list[httpx.Response] = []
+        try:
+            with anyio.fail_after(30):
+                async with anyio.create_task_group() as tg:
+
+                    async def call() -> None:
+                        answers.append(await http.post(path, content=body))
+
+                    tg.start_soon(call)
+                    while watch.calls < 1:
+                        await anyio.sleep(0.01)
+                    state.expire_in_flight()
+                    while not answers:
+                        await anyio.sleep(0.01)
+                    assert not gate.is_set()  # answered with the pass still held
+                    gate.set()
+        finally:
+            gate.set()
+        p = assert_problem(answers[0], 503, "closed")
+        assert "graceful timeout ran out" in p["detail"]
+
+
 async def test_a_server_that_answers_receive_at_once_does_not_make_the_watch_spin(tiny_model):
     """An ASGI server whose receive() returns an empty request message without waiting (not
     uvicorn's or hypercorn's way): the hang-up watch stops watching, and the request is served."""

@@ -586,6 +586,52 @@ async def _discard(
 CLIENT_CLOSED = 499
 
 
+class _Left(Exception):
+    """Raised on a worker thread at its next check once the request it works for has left."""
+
+
+async def _on_thread_until_out_of_time(
+    work: Callable[[Callable[[], None]], _Answer], state: ServerState
+) -> _Answer:
+    """``work(check)`` on a worker thread, ``check()`` raising between its slices once the
+    request is cancelled. A cancelled request waits for its thread to stop, keeping its
+    ``/batch`` place and its body (a client hanging up and sending again cannot run more
+    batches at once than ``max_batch_calls``), unless the graceful timeout is running out:
+    then it is answered 503 ``closed`` at once. It waited out the pass under way, and a pass
+    longer than the time left before the ASGI server's deadline (seconds on a ViT) was cut
+    off with a bare 500 (a user trial)."""
+    done, left, lock = threading.Event(), threading.Event(), threading.Lock()
+    started = False
+
+    def check() -> None:
+        if left.is_set():
+            raise _Left
+        anyio.from_thread.check_cancelled()
+
+    def on_thread() -> _Answer:
+        nonlocal started
+        with lock:
+            if left.is_set():  # left while it waited for a thread: nobody waits for this
+                raise _Left
+            started = True
+        try:
+            return work(check)
+        finally:
+            done.set()
+
+    try:
+        return await anyio.to_thread.run_sync(on_thread, abandon_on_cancel=True)
+    except BaseException:
+        with lock:
+            left.set()
+            if not started:  # it never will be
+                done.set()
+        with anyio.CancelScope(shield=True):
+            while not (done.is_set() or state.out_of_time):
+                await anyio.sleep(0.01)  # a cancelled call only, ended by a slice (~0.1 s+)
+        raise
+
+
 async def _in_flight(
     request: Request,
     work: Callable[[], Awaitable[_Answer]],
@@ -1075,21 +1121,20 @@ def create_app(
         """A ``/batch`` call's parse and run, on a worker thread, with its place taken."""
         verbatim = request.headers.get("content-type", "").startswith(BATCH_BODIES_JSON)
 
-        def run() -> list[str]:
+        def run(check: Callable[[], None]) -> list[str]:
             # Parsed here, not on the event loop: a 60 MB batch's list and its bodies
             # written back to JSON held the loop (every other request) for 50-240 ms.
             if state.max_batch_requests is not None:
                 bulk_rna = client.server_model.assets.accepts_bulk_rna
                 _screen_batch(raw, state.max_batch_requests, bulk_rna)  # no lock needed
             with state.batch_parse_lock:
-                anyio.from_thread.check_cancelled()  # hung up while it waited its turn
+                check()  # hung up while it waited its turn
                 bodies = _batch_bodies(raw, verbatim, state.max_batch_requests)
             # Cancelled (a hang-up, the graceful timeout), the batch stops at its next
-            # slice or pass: this thread checks its host task's cancellation between them.
-            check = anyio.from_thread.check_cancelled
+            # slice or pass.
             return client.infer_batch(bodies, checked, check_cancelled=check)
 
-        work = partial(anyio.to_thread.run_sync, run)
+        work = partial(_on_thread_until_out_of_time, run, state)
         ndjson = _prefers_ndjson(request.headers.get("accept", ""))
         respond = _said_untrained(client, _ndjson if ndjson else _json_list)
         return await _in_flight(request, work, respond, state, arrival)
