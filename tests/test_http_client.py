@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import json
 import logging
@@ -94,6 +95,88 @@ def test_wire_constants_match_the_server():
     assert http_module.NDJSON == app.NDJSON
     assert http_module.BYTES_KEY == app.BYTES_KEY
     assert http_module.STR_KEY == app.STR_KEY
+    assert http_module.CHECKPOINT_HEADER == app.CHECKPOINT_HEADER
+
+
+class Swapped(httpx.AsyncBaseTransport):
+    """Sends each request to ``apps[0]`` until :attr:`swap` is set, then to ``apps[1]``: a
+    server restarted on another checkpoint, or a load balancer's other replica."""
+
+    def __init__(self, *apps: Any) -> None:
+        self.transports = [httpx.ASGITransport(app=a) for a in apps]
+        self.swap = False
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        return await self.transports[self.swap].handle_async_request(request)
+
+
+def with_checkpoint_sha256(model: Any, sha256: str) -> Any:
+    checkpoint = dataclasses.replace(model.checkpoint, sha256=sha256)
+    return type(model)(checkpoint, model.assets, "cpu")
+
+
+@pytest.mark.anyio
+async def test_answers_from_another_checkpoint_are_warned_of_or_refused_when_pinned(
+    tiny_model: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regression (a chaos trial): a server restarted on another checkpoint mid-job mixed
+    the new model's answers into the job unsaid (884 of 1,500). Every inference answer names
+    its checkpoint; a client warns when it changes, and one pinned to a checkpoint refuses
+    any other's answer (or one that does not say)."""
+    old_sha, new_sha = tiny_model.checkpoint.sha256, "f" * 64
+    swapped = with_checkpoint_sha256(tiny_model, new_sha)
+    apps = [create_app({"h1": InProcessClient(m)}, warmup=False) for m in (tiny_model, swapped)]
+    async with serving(apps[0]) as http, serving(apps[1]):
+        single = await http.post("/api/predict/h1", content=make_body(0))
+        batch = await http.post("/api/embed/h1/batch", content=json.dumps([make_body(1)]))
+        assert single.headers["histoinfer-checkpoint-sha256"] == old_sha
+        assert batch.headers["histoinfer-checkpoint-sha256"] == old_sha
+        assert "histoinfer-checkpoint-sha256" not in (await http.get("/api/metadata/h1")).headers
+
+        transport = Swapped(*apps)
+        caplog.set_level(logging.WARNING, logger="histoinfer.http")
+        async with HttpClient("http://asgi", transport=transport, retries=0) as free:
+            with anyio.fail_after(30):
+                await free.predict_async(make_body(0))
+                transport.swap = True
+                await free.predict_async(make_body(1))
+                await free.embed_batch_async([make_body(2)])  # the same again: said once
+        said = [r.getMessage() for r in caplog.records if "now answers" in r.getMessage()]
+        assert said == [
+            f"model 'h1' at http://asgi now answers from checkpoint {new_sha[:12]}…, not "
+            f"{old_sha[:12]}… as before: this client's results mix the two (pass "
+            "checkpoint_sha256= to refuse any other)"
+        ]
+
+        transport.swap = False
+        pinned = HttpClient("http://asgi", transport=transport, checkpoint_sha256=old_sha)
+        async with pinned:
+            with anyio.fail_after(30):
+                assert json.loads(await pinned.predict_async(make_body(3)))["patch_idx"] == 3
+                transport.swap = True
+                for call in (pinned.predict_async, pinned.predict_batch_async):
+                    with pytest.raises(InferenceError, match="answered from checkpoint") as e:
+                        await call(make_body(4) if call == pinned.predict_async else [make_body(4)])
+                    assert f"not checkpoint {old_sha[:12]}…" in str(e.value)
+                    assert not e.value.retryable
+
+
+def test_an_answer_that_does_not_name_its_checkpoint_is_refused_only_when_pinned() -> None:
+    ok = {"slide_name": "S1", "x": 0, "y": 0, "patch_idx": 0, "output": [0.5]}
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, json=ok))
+    with HttpClient("http://h", transport=transport) as free:
+        assert json.loads(free.predict(make_body(0)))["output"] == [0.5]
+    with (
+        HttpClient("http://h", transport=transport, checkpoint_sha256="0" * 64) as pinned,
+        pytest.raises(InferenceError, match="answered from no checkpoint"),
+    ):
+        pinned.predict(make_body(0))
+
+
+@pytest.mark.parametrize("sha", ["0" * 63, "A" * 64, 12, "sha256:" + "0" * 64])
+def test_a_pinned_checkpoint_must_be_a_sha256(sha: Any) -> None:
+    with pytest.raises(ValueError, match="checkpoint_sha256 must be the 64 lowercase hex"):
+        HttpClient("http://h", checkpoint_sha256=sha)
 
 
 def test_sync_calls_from_many_threads(server, reference):

@@ -87,6 +87,9 @@ STR_KEY = "$str"
 NDJSON = "application/x-ndjson"
 #: Set to "false" on the answers of a model whose weights are untrained (server/app.py)
 TRAINED_HEADER = "histoinfer-trained"
+#: On every inference answer: the sha256 of the checkpoint that computed it (server/app.py)
+CHECKPOINT_HEADER = "histoinfer-checkpoint-sha256"
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 _PROBLEM_JSON = "application/problem+json"
 #: What ``json.loads`` raises on a body that is not JSON: ``ValueError`` (``UnicodeDecodeError``
@@ -195,6 +198,12 @@ class HttpClient(ClosingContext, Client):
             (64 MiB by default); a body larger than this goes alone.
         max_batch_requests: the most bodies in one ``/batch`` request; at most the server's
             ``--max-batch-requests`` (4096 by default).
+        checkpoint_sha256: accept answers only from the checkpoint with this sha256 (the
+            model's metadata's ``checkpoint_sha256``): an answer computed by any other (a
+            server restarted on a new one mid-job, a load balancer's other replica), or that
+            does not say, raises ``InferenceError``. Unset, a change of checkpoint during the
+            client's life is logged as a warning once a change, and the results it returns
+            mix the two.
         httpx_options: passed to both ``httpx.Client`` and ``httpx.AsyncClient`` (headers,
             auth, verify, proxy, ...); a name neither takes is refused here, not at the first
             call.
@@ -215,9 +224,17 @@ class HttpClient(ClosingContext, Client):
         max_in_flight: int | None = 64,
         max_batch_bytes: int = 48 * 2**20,
         max_batch_requests: int = 4096,
+        checkpoint_sha256: str | None = None,
         **httpx_options: Any,
     ) -> None:
         _check_httpx_options(httpx_options)
+        if checkpoint_sha256 is not None and not (
+            isinstance(checkpoint_sha256, str) and _SHA256.fullmatch(checkpoint_sha256)
+        ):
+            raise ValueError(
+                "checkpoint_sha256 must be the 64 lowercase hex digits of a sha256 (the "
+                f"model's metadata's checkpoint_sha256), got {checkpoint_sha256!r}"
+            )
         if not isinstance(timeout, httpx.Timeout):
             check_seconds("timeout", timeout, none_ok=True)
         check_count("max_connections", max_connections)
@@ -269,6 +286,9 @@ class HttpClient(ClosingContext, Client):
         )
         self._calls = InFlight()
         self._warned_untrained = False
+        self.checkpoint_sha256 = checkpoint_sha256
+        #: the checkpoint the last inference answer named (warned of when it changes)
+        self._answered_by: str | None = checkpoint_sha256
         self._released = False  # the pools are closed: after close() and its calls in flight
         self._lock = threading.Lock()
         self._sync: _Shards[httpx.Client] | None = None
@@ -428,6 +448,39 @@ class HttpClient(ClosingContext, Client):
                 "costs, but not a trained model's outputs",
                 self.model,
                 self._shown_base_url,
+            )
+
+    def _note_checkpoint(self, checkpoint: str | None) -> None:
+        """An inference answer named the checkpoint that computed it (None: it did not):
+        refused unless it is the pinned one; otherwise a change is warned of. A server
+        restarted on another checkpoint mid-job mixed its answers into the job's unsaid (a
+        user trial: 884 of 1,500 results from a different model)."""
+        pinned = self.checkpoint_sha256
+        if pinned is not None:
+            if checkpoint != pinned:
+                said = (
+                    f"checkpoint {checkpoint[:12]}…"
+                    if checkpoint is not None
+                    else f"no checkpoint (no {CHECKPOINT_HEADER} header: a server older than "
+                    "this client, or a proxy that drops it)"
+                )
+                raise InferenceError(
+                    f"model {self.model!r} at {self._shown_base_url} answered from {said}, not "
+                    f"checkpoint {pinned[:12]}… as this client's checkpoint_sha256 requires; "
+                    "the answer was dropped"
+                )
+            return
+        if checkpoint is None or checkpoint == self._answered_by:
+            return
+        before, self._answered_by = self._answered_by, checkpoint
+        if before is not None:
+            log.warning(
+                "model %r at %s now answers from checkpoint %s…, not %s… as before: this "
+                "client's results mix the two (pass checkpoint_sha256= to refuse any other)",
+                self.model,
+                self._shown_base_url,
+                checkpoint[:12],
+                before[:12],
             )
 
     # -- requests ----------------------------------------------------------------------------
@@ -785,8 +838,11 @@ class _Attempt:
 
     def answered(self, response: httpx.Response) -> float | None:
         if response.is_success:
-            if response.headers.get(TRAINED_HEADER) == "false":
+            headers = response.headers
+            if headers.get(TRAINED_HEADER) == "false":
                 self.client._note_untrained()
+            if self.method == "POST":  # an inference answer
+                self.client._note_checkpoint(headers.get(CHECKPOINT_HEADER))
             return None
         if response.status_code in _RETRY_STATUSES and self.number < self.client.retries:
             log.debug("HTTP %d from %s; retrying", response.status_code, _shown(response.url))

@@ -110,6 +110,9 @@ NDJSON = "application/x-ndjson"
 #: HttpClient to warn its user as in-process users are warned; absent for trained models
 TRAINED_HEADER = "histoinfer-trained"
 _UNTRAINED = (TRAINED_HEADER.encode("latin-1"), b"false")
+#: on every inference answer: the sha256 of the checkpoint that computed it
+CHECKPOINT_HEADER = "histoinfer-checkpoint-sha256"
+_CHECKPOINT = CHECKPOINT_HEADER.encode("latin-1")
 
 _JSON = "application/json"
 _Endpoint = TypeVar("_Endpoint", bound=Callable[..., Any])
@@ -807,20 +810,24 @@ def _prefers_ndjson(accept: str) -> bool:
     return ndjson > 0 and ndjson >= quality.get(_JSON, 0.0)
 
 
-def _said_untrained(
+def _provenance(
     client: InProcessClient, respond: Callable[[_Answer], Response]
 ) -> Callable[[_Answer], Response]:
-    """``respond``, with :data:`TRAINED_HEADER` on its answers if the model is untrained."""
-    if client.server_model.assets.trained:
-        return respond
+    """``respond``, its answers naming the checkpoint that computed them
+    (:data:`CHECKPOINT_HEADER`: a client can tell a server restarted on another one mid-job),
+    and with :data:`TRAINED_HEADER` if the model is untrained."""
+    model = client.server_model
+    headers = [(_CHECKPOINT, model.checkpoint.sha256.encode("latin-1"))]
+    if not model.assets.trained:
+        headers.append(_UNTRAINED)
 
-    def untrained(answer: _Answer) -> Response:
+    def said(answer: _Answer) -> Response:
         response = respond(answer)
-        # Appended to the raw list: ~1 µs; response.headers builds a MutableHeaders each time.
-        response.raw_headers.append(_UNTRAINED)
+        # Added to the raw list: ~1 µs; response.headers builds a MutableHeaders each time.
+        response.raw_headers.extend(headers)
         return response
 
-    return untrained
+    return said
 
 
 def _json(text: str) -> Response:
@@ -1031,7 +1038,7 @@ def create_app(
         """One tile's answer: refused at once by a full queue (SPEC §4), and cancelled if its
         client hangs up (unless the app was told not to)."""
         work = partial(client.infer_async, body, mode, overload="reject")
-        return await _in_flight(request, work, _said_untrained(client, _json), state, arrival)
+        return await _in_flight(request, work, _provenance(client, _json), state, arrival)
 
     async def body_of(request: Request, arrival: Arrival) -> bytes:
         return await read_body(request, state.max_body_bytes, arrival)
@@ -1136,7 +1143,7 @@ def create_app(
 
         work = partial(_on_thread_until_out_of_time, run, state)
         ndjson = _prefers_ndjson(request.headers.get("accept", ""))
-        respond = _said_untrained(client, _ndjson if ndjson else _json_list)
+        respond = _provenance(client, _ndjson if ndjson else _json_list)
         return await _in_flight(request, work, respond, state, arrival)
 
     @app.post(
