@@ -312,6 +312,38 @@ async def test_connection_errors_are_retried_then_reported():
     assert str(err.value).endswith(f"failed after 4 attempts: {refused}")
 
 
+@pytest.mark.parametrize(
+    ("raised", "said"),
+    [
+        (httpx.ReadTimeout(""), "no answer within 5 s (ReadTimeout)"),
+        (httpx.WriteTimeout("timed out"), "could not send the request within 5 s (WriteTimeout:"),
+        (httpx.ConnectTimeout(""), "could not connect within 5 s (ConnectTimeout)"),
+        (httpx.ConnectError("refused"), "cannot reach the server (ConnectError: refused)"),
+        (httpx.ReadError("reset"), "the connection was lost before the answer (ReadError: reset)"),
+        (
+            httpx.RemoteProtocolError("peer closed"),
+            "the connection was lost before the answer (RemoteProtocolError: peer closed)",
+        ),
+    ],
+)
+def test_a_failed_request_says_which_step_failed(raised: httpx.HTTPError, said: str) -> None:
+    """Regression (a chaos trial): a reset after the request went out said "cannot reach the
+    server", a request that could not be sent said "no answer", and an async timeout said
+    "(ReadTimeout: )", httpx's async timeouts having no words."""
+
+    def fail(request: httpx.Request) -> httpx.Response:
+        raise raised
+
+    transport = httpx.MockTransport(fail)
+    with (
+        HttpClient("http://h", transport=transport, retries=0, timeout=5) as client,
+        pytest.raises(InferenceError) as info,
+    ):
+        client.predict(make_body(0))
+    assert f"failed after 1 attempt: {said}" in str(info.value)
+    assert info.value.retryable
+
+
 def test_a_password_in_the_url_is_shown_nowhere(caplog):
     """httpx sends a URL's user and password as basic auth; the client's repr, its
     connection errors and its retry log showed the password (into tracebacks and logs)."""
@@ -1175,7 +1207,7 @@ async def test_waiting_for_a_slot_counts_against_the_timeout():
                 tg.start_soon(c.predict_async, make_body(0))
                 while gate.started < 1:
                     await anyio.sleep(0.01)
-                said = r"failed after 1 attempt: no answer within 0\.3 s"
+                said = r"failed after 1 attempt: no connection or request slot free within 0\.3 s"
                 with pytest.raises(InferenceError, match=said) as err:
                     await c.predict_async(make_body(1))
                 assert isinstance(err.value.__cause__, httpx.PoolTimeout)

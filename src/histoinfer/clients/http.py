@@ -784,6 +784,26 @@ def _describe(timeout: float | httpx.Timeout | None) -> str:
     return "no limit" if timeout is None else f"{timeout:g} s"
 
 
+def _what_failed(exc: httpx.HTTPError, timeout: float | httpx.Timeout | None) -> str:
+    """Which step of a request failed, in a few words: a reset after the request went out
+    said "cannot reach the server", and a request that could not even be sent "no answer"
+    (a chaos trial)."""
+    within = _describe(timeout)
+    if isinstance(exc, httpx.PoolTimeout):
+        return f"no connection or request slot free within {within} (nothing was sent)"
+    if isinstance(exc, httpx.ConnectTimeout):
+        return f"could not connect within {within}"
+    if isinstance(exc, httpx.WriteTimeout):
+        return f"could not send the request within {within}"
+    if isinstance(exc, httpx.TimeoutException):
+        return f"no answer within {within}"
+    if isinstance(exc, httpx.ConnectError):
+        return "cannot reach the server"
+    if isinstance(exc, (httpx.NetworkError, httpx.RemoteProtocolError)):
+        return "the connection was lost before the answer"
+    return "the request failed"
+
+
 def _no_slot(timeout: float | None) -> httpx.PoolTimeout:
     # What httpx raises when its own pool has no connection in time: reported the same way.
     return httpx.PoolTimeout(f"no request slot (max_in_flight) free within {_describe(timeout)}")
@@ -824,13 +844,12 @@ class _Attempt:
         if not isinstance(exc, _RETRY_ERRORS) or self.number >= self.client.retries:
             # Counted even when 1: a timeout is not retried, and the message says so.
             tries = f" after {self.number + 1} attempt{'s' if self.number else ''}"
-            if isinstance(exc, httpx.TimeoutException):
-                why = f"no answer within {_describe(self.client.timeout)}"
-            else:
-                why = "cannot reach the server"
+            why = _what_failed(exc, self.client.timeout)
+            # httpx's async timeouts carry no words of their own ("ReadTimeout: ").
+            said = _os_reason(exc) or str(exc)
             error = InferenceError(
                 f"{self.method} {_shown(httpx.URL(self.url))} failed{tries}: {why} "
-                f"({type(exc).__name__}: {_os_reason(exc) or exc})"
+                f"({type(exc).__name__}{': ' + said if said else ''})"
             )
             error.retryable = isinstance(exc, (*_RETRY_ERRORS, httpx.TimeoutException))
             raise error from exc
