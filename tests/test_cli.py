@@ -6,6 +6,7 @@ import argparse
 import hashlib
 import importlib
 import json
+import logging
 import shutil
 import subprocess
 import sys
@@ -405,6 +406,49 @@ def test_a_variable_is_read_only_where_the_command_line_leaves_its_option(
         "127.0.0.1",
         "warning",
     )
+
+
+def test_a_variable_that_sets_nothing_is_warned_of(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An evaluator's misspelt HISTOINFER_MAX_QEUE=4 was ignored unsaid, and HISTOINFER_DEBUG
+    looks like --debug's variable but is not read; Kubernetes' service variables are no
+    one's mistake."""
+    for name in (
+        "HISTOINFER_MAX_QEUE",
+        "HISTOINFER_DEBUG",
+        "HISTOINFER_WHATEVER",
+        "HISTOINFER_SERVICE_HOST",
+        "HISTOINFER_PORT_8080_TCP_ADDR",
+        "HISTOINFER_SCRIPT_CACHE",
+    ):
+        monkeypatch.setenv(name, "1")
+    caplog.set_level(logging.WARNING, logger="histoinfer.server")
+    serve_options(["--model", "h1", "--checkpoint", "x.pt2"])
+    assert caplog.messages == [
+        "HISTOINFER_DEBUG is not a setting of histoinfer serve (--debug has no variable: give "
+        "it on the command line): ignored",
+        "HISTOINFER_MAX_QEUE is not a setting of histoinfer serve (did you mean "
+        "HISTOINFER_MAX_QUEUE?): ignored",
+        "HISTOINFER_WHATEVER is not a setting of histoinfer serve (no option of serve's reads "
+        "it): ignored",
+    ]
+
+
+def test_serve_says_the_settings_in_force_wherever_they_came_from(
+    tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A container's environment is not in its log: the settings line is (an evaluator)."""
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, *_: None)
+    monkeypatch.setenv("HISTOINFER_MAX_QUEUE", "77")
+    serve = ["serve", "--model", "h1", "--checkpoint", str(tiny_checkpoint), "--port", "0"]
+    assert main([*serve, "--max-wait-ms", "2", "--no-warmup", "--max-body-mb", "128"]) == 0
+    [line] = [line for line in capsys.readouterr().err.splitlines() if "settings:" in line]
+    assert "--max-queue 77 " in line and "--max-wait-ms 2.0 " in line
+    assert "--no-warmup " in line and "--access-log" not in line and "  " not in line
+    assert "--max-bodies-mb 2048 " in line  # worked out: 16 of the largest body
 
 
 @pytest.mark.parametrize(

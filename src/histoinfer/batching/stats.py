@@ -38,7 +38,10 @@ def _percentiles(values: Iterable[float]) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class StatsSnapshot:
-    """A consistent copy of one mode's counters. Times are in milliseconds."""
+    """A consistent copy of one mode's counters. Units are in the names: ``queue_wait_ms``
+    and ``forward_ms`` (percentiles over recent requests and batches) in milliseconds,
+    ``forward_busy_s`` and ``queue_wait_total_s`` in seconds; the ``*_buckets`` lists count
+    per bucket of :data:`DURATION_BOUNDS` (seconds), the last above its largest bound."""
 
     batches: int
     samples: int

@@ -102,8 +102,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--max-body-mb",
         type=_body_mb,
         default=64.0,
-        help="the largest request body, in MiB (at least 0.001: 1 KiB); larger bodies get 413 "
-        "(default: %(default)s)",
+        help="the largest request body, in MiB (at least 0.001, about 1 KiB); larger bodies get "
+        "413 (default: %(default)s)",
     )
     add(
         "--max-bodies-mb",
@@ -191,8 +191,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     parser.epilog = (
-        "Every option may be set in the environment instead: HISTOINFER_MAX_QUEUE=256 for "
-        "--max-queue 256 (repeatable ones comma-separated, flags 1 or 0); the command line wins."
+        "Every option but --debug may be set in the environment instead: "
+        "HISTOINFER_MAX_QUEUE=256 for --max-queue 256 (repeatable ones comma-separated, flags "
+        "1 or 0); the command line wins, and a HISTOINFER_ variable that sets nothing is "
+        "warned of."
     )
     defaults_from_environment(parser)
 
@@ -339,6 +341,13 @@ def run(args: argparse.Namespace) -> int:
         f"serving {names} on {where} ({args.server}, {args.backend}); ready at /health/ready "
         "once loaded",
     )
+    # What is in force, wherever it came from (the command line, a variable, a default): the
+    # environment of a container is not in its log.
+    shown = {name: getattr(args, name) for name in _SETTINGS}
+    if state.max_held_bytes is not None:  # its default is worked out from --max-body-mb
+        shown["max_bodies_mb"] = f"{state.max_held_bytes / 2**20:g}"
+    settings = " ".join(filter(None, (_setting(name, value) for name, value in shown.items())))
+    _say(args, logging.INFO, f"settings: {settings}")
     served = AccessLog(app) if args.access_log else app  # the servers' own access logs off
     if args.server == "uvicorn":
         _run_uvicorn(served, state, args)
@@ -348,6 +357,22 @@ def run(args: argparse.Namespace) -> int:
     for name, error in failed.items():
         _say(args, logging.ERROR, f"model {name!r} failed to load: {error}")
     return 1 if failed else 0
+
+
+#: the options the start-up's "settings:" line shows (the models have a line of their own)
+_SETTINGS = (
+    "device", "max_batch_size", "max_wait_ms", "max_queue", "request_timeout", "max_body_mb",
+    "max_bodies_mb", "max_batch_requests", "max_batch_calls", "body_timeout", "retry_after",
+    "graceful_timeout", "drain_delay", "keep_alive_timeout", "no_warmup",
+    "no_cancel_on_disconnect", "access_log", "log_level", "log_format",
+)  # fmt: skip
+
+
+def _setting(name: str, value: object) -> str:
+    option = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return option if value else ""
+    return f"{option} {'none' if value is None else value}"
 
 
 def _say(args: argparse.Namespace, level: int, message: str) -> None:

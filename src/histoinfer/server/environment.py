@@ -9,6 +9,7 @@ but only where it is used: an option given on the command line leaves its variab
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -29,6 +30,9 @@ _FALSE = {"0", "false", "no", "off"}
 #: what Kubernetes writes into ``<SERVICE>_PORT`` for every Service in the namespace (a
 #: Service named ``histoinfer`` sets ``HISTOINFER_PORT=tcp://10.96.0.12:8080`` in every pod)
 _SERVICE_LINKS = ("tcp://", "udp://", "sctp://")
+#: the other variables Kubernetes sets for such a Service: ``HISTOINFER_SERVICE_HOST``,
+#: ``HISTOINFER_SERVICE_PORT_HTTP``, ``HISTOINFER_PORT_8080_TCP_ADDR``...
+_SERVICE_VARIABLES = (PREFIX + "SERVICE_", PREFIX + "PORT_")
 
 
 def variable_for(option: str) -> str:
@@ -48,11 +52,13 @@ def defaults_from_environment(
     otherwise be added to them). A flag takes 1, true, yes or on (0, false, no or off: unset).
     """
     environ = os.environ if environ is None else environ
+    known = set(_OTHERS)
     for action in parser._actions:
         long = next((o for o in action.option_strings if o.startswith("--")), None)
         if long is None or long in _SKIPPED:
             continue
         name = variable_for(long)
+        known.add(name)
         text = environ.get(name, "").strip()
         if not text:  # unset, or set empty (a compose file's way of leaving it out)
             continue
@@ -70,6 +76,28 @@ def defaults_from_environment(
             # not given: the wrapper names the variable in the refusal.
             action.type = _from_variable(name, text, action.type, action.choices)
             action.default = text
+    _warn_of_unknown(environ, known)
+
+
+#: variables of histoinfer's that are not serve's options
+_OTHERS = ("HISTOINFER_SCRIPT_CACHE",)
+
+
+def _warn_of_unknown(environ: Mapping[str, str], known: set[str]) -> None:
+    """Say which ``HISTOINFER_*`` variables set nothing: a misspelt one
+    (``HISTOINFER_MAX_QEUE``) was ignored unsaid, and ``HISTOINFER_DEBUG`` looks like
+    ``--debug``'s but is not read. Kubernetes' service variables are left alone."""
+    for name in sorted(environ):
+        if not name.startswith(PREFIX) or name in known or name.startswith(_SERVICE_VARIABLES):
+            continue
+        if name == variable_for("--debug"):
+            why = "--debug has no variable: give it on the command line"
+        else:
+            # Compared without the prefix they all share, which made any name look close.
+            suffixes = sorted(known_name.removeprefix(PREFIX) for known_name in known)
+            close = difflib.get_close_matches(name.removeprefix(PREFIX), suffixes, n=1)
+            why = f"did you mean {PREFIX}{close[0]}?" if close else "no option of serve's reads it"
+        log.warning("%s is not a setting of histoinfer serve (%s): ignored", name, why)
 
 
 def _flag(parser: argparse.ArgumentParser, name: str, text: str) -> bool:

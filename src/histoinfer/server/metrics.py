@@ -272,8 +272,18 @@ class StatsCollector(Collector):
         forward_histogram = _per_mode(
             h, "forward_duration_seconds", "Forward pass time of every batch (for aggregating)."
         )
-        errors = _per_mode(c, "errors", "Forward passes that raised.")
-        error_kinds = _per_mode(c, "errors_by_kind", "Errors by exception class.", "kind")
+        errors = _per_mode(
+            c,
+            "errors",
+            "Requests failed after admission: a forward pass that raised, a NaN output or a "
+            "postprocess failure, a missed deadline.",
+        )
+        error_kinds = _per_mode(
+            c,
+            "errors_by_kind",
+            "Requests failed after admission, by kind: the exception class, or 'deadline'.",
+            "kind",
+        )
         cancelled = _per_mode(
             c,
             "cancelled",
