@@ -1239,7 +1239,7 @@ async def test_a_failing_device_counts_no_batches_and_is_logged_once_with_its_tr
     async with serving(app) as http:
         before = await scrape(http)
         named: list[str] = []
-        with caplog.at_level("WARNING", logger="histoinfer"):
+        with caplog.at_level("DEBUG", logger="histoinfer.server"):
             for i in range(3):
                 r = await http.post("/api/predict/h1", content=make_body(i))
                 assert_problem(r, 500, "model-execution")
@@ -1257,6 +1257,11 @@ async def test_a_failing_device_counts_no_batches_and_is_logged_once_with_its_tr
     assert logged.exc_info is not None and "device lost" in caplog.text  # the traceback
     # The client can name the logged one to the operator: the ID its answer carried.
     assert f"(request {named[0]}):" in logged.message and len(named[0]) == 16
+    assert logged.request_id == named[0]  # type: ignore[attr-defined]  # a JSON log's field
+    # The two left out are named too, and said at DEBUG (they carried no ID until session 31).
+    left_out = [r for r in server_log if r.levelno == logging.DEBUG and "answered 500" in r.message]
+    assert [f"(request {n}):" in r.message for r, n in zip(left_out, named[1:])] == [True, True]
+    assert len(set(named)) == 3 and all(len(n) == 16 for n in named)
 
 
 async def test_a_request_id_is_echoed_and_names_its_logged_error(tiny_model, caplog):

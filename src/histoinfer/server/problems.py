@@ -255,20 +255,26 @@ def log_answer(
         key, level, trace = _kind(exc), logging.WARNING, False
     else:
         return
+    named = logged_request_id(request, response)
     due = throttle.due(key)
     if due is None:
-        return
-    left_out, seconds = due
+        # Left out at the line's level, but still named, and said at DEBUG: the ID the
+        # client's error carries leads somewhere (an evaluator's second and third 500s of a
+        # minute carried no ID at all).
+        level, trace, left_out, seconds = logging.DEBUG, False, 0, 0.0
+    else:
+        left_out, seconds = due
     log.log(
         level,
         "%s %s answered %d (request %s): %s%s",
         request.method,
         request.url.path,
         status,
-        logged_request_id(request, response),
+        named,
         exc,
         since(left_out, seconds),
         exc_info=exc if trace else None,
+        extra={"request_id": named},  # a field of its own in --log-format json
     )
 
 
@@ -323,7 +329,13 @@ def install_problem_handlers(app: FastAPI, retry_after: int) -> None:
         )
         named = logged_request_id(request, response)
         path = request.url.path
-        log.exception("unhandled error on %s %s (request %s)", request.method, path, named)
+        log.exception(
+            "unhandled error on %s %s (request %s)",
+            request.method,
+            path,
+            named,
+            extra={"request_id": named},
+        )
         return response
 
     async def client_gone(request: Request, exc: Exception) -> Response:
