@@ -441,6 +441,49 @@ def test_close_in_a_signal_handler_does_not_wait_for_the_call_it_interrupted(
         client.predict(body(1))
 
 
+@pytest.mark.timeout(90)
+def test_a_pass_whose_sync_batch_call_was_interrupted_is_counted(tiny_model: ServerModel) -> None:
+    """Regression (a trial): Ctrl-C in a sync ``predict_batch`` left its pass running on the
+    device's thread, and the pass was never counted (``stats()`` read 2 batches for 3 run)."""
+    client = InProcessClient(tiny_model, max_batch_size=4, dynamic_batching=False)
+    in_pass, release, ended = threading.Event(), threading.Event(), threading.Event()
+    real_forward = tiny_model.forward_tiles
+
+    def held_forward(tiles, mode):  # type: ignore[no-untyped-def]
+        in_pass.set()
+        release.wait(30)
+        try:
+            return real_forward(tiles, mode)
+        finally:
+            ended.set()
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    def signal_in_the_pass() -> None:
+        if in_pass.wait(30):
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    tiny_model.forward_tiles = held_forward  # type: ignore[method-assign]
+    threading.Thread(target=signal_in_the_pass, daemon=True).start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            client.predict_batch([body(i) for i in range(8)])  # 2 passes of 4: the first cut
+        release.set()
+        assert ended.wait(30)
+        deadline = time.monotonic() + 10
+        while client.stats()["predict"].batches < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        release.set()
+        del tiny_model.forward_tiles
+        signal.signal(signal.SIGUSR1, previous)
+    counted = client.stats()["predict"]
+    assert (counted.batches, counted.samples) == (1, 4)
+    client.close()
+
+
 @pytest.mark.timeout(120)
 def test_a_sync_call_as_the_interpreter_exits_is_refused_not_hung(tiny_checkpoint: Path) -> None:
     """Regression (a trial): a ``__del__`` calling ``predict`` as the interpreter exited hung

@@ -168,6 +168,15 @@ def _timed(fn: Callable[..., T], *args: Any) -> tuple[T, float]:
     return result, time.perf_counter() - started
 
 
+def _counted(stats: BatchStats, tiles: int, forward: Callable[..., T], *args: Any) -> T:
+    """An explicit batch's pass, counted in ``stats`` by the thread that ran it (the
+    device's) once it succeeds: counted by its caller, a pass whose caller was interrupted
+    (Ctrl-C in a sync ``*_batch``) ran but was never counted (a user trial)."""
+    outputs, ran_s = _timed(forward, *args)
+    stats.record_batch(tiles, (), ran_s)
+    return outputs
+
+
 class _Job:
     """One request on its way to a forward pass: decoded already, or a body that the device's
     thread decodes before the pass (a request that was alone; see the module docstring)."""
@@ -1142,8 +1151,10 @@ class InProcessClient(ClosingContext, Client):
         """
         stats = self._stats[mode]
         try:
-            outputs, ran_s = self._device_thread.call(
-                _timed,
+            outputs = self._device_thread.call(
+                _counted,
+                stats,
+                len(chunk),
                 partial(_forward, lock=self.device_lock),
                 self.server_model,
                 [tile for _, tile in chunk],
@@ -1164,7 +1175,6 @@ class InProcessClient(ClosingContext, Client):
                 chunk[middle:], mode, offset + middle, bisected=True
             )
             return first + second, failed_first | failed_second
-        stats.record_batch(len(chunk), (), ran_s)
         return list(outputs), {}
 
     # -- sync bridge and bookkeeping ---------------------------------------------------------
