@@ -266,6 +266,7 @@ async def test_label_values_of_paths():
         "/api/predict/h1/batch/x": (OTHER, "", ""),
         "/api//h1": (OTHER, "", ""),
         "/invocations": ("/invocations", "", ""),
+        "/api/models": ("/api/models", "", ""),
         "/health/ready": ("/health/ready", "", ""),
         "/ping": ("/ping", "", ""),
         "/metrics": ("/metrics", "", ""),
@@ -280,6 +281,17 @@ async def test_label_values_of_paths():
     assert {s.key for s in counters.series()} == set(cases.values())
     await counting({"type": "lifespan"}, nothing, drop)  # not HTTP: not counted
     assert counters.responses == {204: 2 * len(cases)} and counters.in_flight == 0
+
+
+async def test_model_info_names_each_loaded_models_version_and_checkpoint(tiny_model):
+    """Which replica serves what, for a dashboard (an evaluator coming from Triton)."""
+    async with serving(create_app({"h1": fresh_client(tiny_model)})) as http:
+        text = (await http.get("/metrics")).text
+    meta = tiny_model.metadata()
+    [line] = [x for x in text.splitlines() if x.startswith("histoinfer_model_info{")]
+    assert f'checkpoint_sha256="{tiny_model.checkpoint.sha256}"' in line
+    assert f'version="{meta.version}"' in line and 'model="h1"' in line
+    assert f'trained="{str(meta.trained).lower()}"' in line and line.endswith(" 1.0")
 
 
 async def test_process_and_python_metrics_are_in_the_apps_registry(tiny_model):

@@ -1005,6 +1005,40 @@ async def test_without_on_fatal_a_model_that_fails_to_load_leaves_the_others_ser
         assert "checkpoint exploded" in p["detail"]
 
 
+async def test_the_models_route_lists_every_model_its_status_and_metadata(tiny_model):
+    """An evaluator coming from Triton found no model listing (``/api/models`` was a 404)."""
+    loading = threading.Event()
+
+    def broken() -> InProcessClient:
+        raise RuntimeError("checkpoint exploded")
+
+    def slow() -> InProcessClient:
+        loading.wait(30)
+        return fresh_client(tiny_model)
+
+    app = create_app({"h1": fresh_client(tiny_model), "broken": broken, "slow": slow})
+    try:
+        async with serving(app, ready=False) as http:
+            with anyio.fail_after(30):
+                while app.state.histoinfer.models["broken"].status == "loading":
+                    await anyio.sleep(0.02)
+            r = await http.get("/api/models")
+            assert r.status_code == 200
+            listed = r.json()["models"]
+            assert [(m["name"], m["status"]) for m in listed] == [
+                ("h1", "ready"),
+                ("broken", "failed"),
+                ("slow", "loading"),
+            ]
+            meta = json.loads((await http.get("/api/metadata/h1")).text)
+            assert listed[0]["metadata"] == meta and "error" not in listed[0]
+            assert listed[1]["metadata"] is None and "checkpoint exploded" in listed[1]["error"]
+            assert listed[2]["metadata"] is None
+            assert (await http.head("/api/models")).status_code == 200
+    finally:
+        loading.set()
+
+
 class KnownSlidesOnly(H1ServerModel):
     """Refuses tiles of slides it does not know, and answers only for tiles full of tissue:
     the server's made-up warm-up request is neither."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import json
 import logging
 import threading
 import time
@@ -1023,6 +1024,24 @@ def create_app(
     async def metadata(model: str) -> Response:
         """The model's metadata (SPEC §3.3), with the batching settings in force."""
         return _json(state.client(model).metadata())
+
+    @read_only("/api/models", tags=["inference"])
+    async def list_models() -> JSONResponse:
+        """Every model this server serves, in the order given: its name (its routes'), its
+        status (``loading``, ``ready``, ``failed``), its metadata once loaded (as
+        ``/api/metadata/{model}`` gives it; null before), and why it failed, if it did."""
+        listed = []
+        for name, served in state.models.items():
+            client = served.client
+            entry: dict[str, object] = {
+                "name": name,
+                "status": served.status if state.lifespans else "not started",
+                "metadata": None if client is None else json.loads(client.metadata()),
+            }
+            if served.error:
+                entry["error"] = served.error
+            listed.append(entry)
+        return JSONResponse({"models": listed})
 
     @read_only("/api/stats/{model}", tags=["inference"], responses={**_docs(404, 503)})
     async def stats(model: str) -> JSONResponse:

@@ -65,7 +65,9 @@ BATCH_ROUTE = "/api/{mode}/{model}/batch"
 METADATA_ROUTE = "/api/metadata/{model}"
 STATS_ROUTE = "/api/stats/{model}"
 INVOCATIONS_ROUTE = "/invocations"
-_FIXED_ROUTES = (INVOCATIONS_ROUTE, "/health/live", "/health/ready", "/ping", "/metrics")
+_FIXED_ROUTES = (
+    INVOCATIONS_ROUTE, "/api/models", "/health/live", "/health/ready", "/ping", "/metrics",
+)  # fmt: skip
 OTHER_ROUTE = "other"
 #: The ``model`` (``mode``) label of a path naming a model (mode) not served here.
 UNKNOWN = "unknown"
@@ -293,10 +295,19 @@ class StatsCollector(Collector):
         ready = GaugeMetricFamily(
             "histoinfer_model_ready", "1 once the model is loaded and warmed up.", labels=["model"]
         )
+        info = GaugeMetricFamily(
+            "histoinfer_model_info",
+            "1 for each loaded model: its version, checkpoint and whether its weights are "
+            "trained (a dashboard's way to see which replica serves what).",
+            labels=["model", "version", "checkpoint_sha256", "trained"],
+        )
         for name, client in self._clients().items():
             ready.add_metric([name], 0.0 if client is None else 1.0)
             if client is None:
                 continue
+            meta = client.server_model.metadata()
+            trained = str(meta.trained).lower()
+            info.add_metric([name, meta.version, meta.checkpoint_sha256, trained], 1.0)
             for mode, snap in client.stats().items():
                 key = [name, mode]
                 batches.add_metric(key, snap.batches)
@@ -330,7 +341,7 @@ class StatsCollector(Collector):
                 for kind, count in {"deadline": 0, **snap.error_kinds}.items():
                     error_kinds.add_metric([*key, kind], count)
                 cancelled.add_metric(key, snap.cancelled)
-        yield from (ready, batches, samples, batch_size, depth, queue_wait, forward, busy)
+        yield from (ready, info, batches, samples, batch_size, depth, queue_wait, forward, busy)
         yield from (wait_histogram, forward_histogram)
         yield from (errors, error_kinds, cancelled, *self._http_families())
         yield from self._runtime.collect()
