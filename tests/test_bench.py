@@ -420,7 +420,7 @@ def test_run_bench_smoke_writes_json_markdown_and_plot(workdir: Path, tmp_path: 
     assert "nearest-rank" in md
     assert "| model | path | mode | in flight |" in md
     assert "of which forward / main / other |" in md
-    assert "## Targets (issues 3 and 5)" in md
+    assert "## Targets\n\nBounds the project set itself" in md
     assert "## Scheduler overhead" in md
     assert "## Noise floor" in md
     assert "| tiny | dynamic-trio | predict | 1 |" in md
