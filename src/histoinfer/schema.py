@@ -174,20 +174,28 @@ class ModelResponse(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    output: list[float]
-    slide_name: str
-    x: int
-    y: int
-    width: int
-    height: int
-    tissue_ratio: float | None = None
-    patch_idx: int
-    resolution: float | None = None
+    output: list[float] = Field(
+        description="the model's output for the tile: one value a gene, in the metadata's "
+        "gene_names order (a shaped output, e.g. a tissue mask, flattened row-major); for the "
+        "embed mode, the embedding"
+    )
+    slide_name: str = Field(description="echoed from the request")
+    x: int = Field(description="echoed from the request: level-0 pixels, the tile's left edge")
+    y: int = Field(description="echoed from the request: level-0 pixels, the tile's top edge")
+    width: int = Field(description="echoed from the request")
+    height: int = Field(description="echoed from the request")
+    tissue_ratio: float | None = Field(default=None, description="echoed from the request")
+    patch_idx: int = Field(description="echoed from the request")
+    resolution: float | None = Field(default=None, description="echoed from the request (µm/px)")
     # SPEC §3.2: absent (not null) unless the mode is predict_with_embedding. A field-level
     # rule, not a model serializer: a wrapping serializer makes pydantic build each response as
     # a Python dict first, which doubled the cost of writing one (~38 µs against ~18, on the
     # event loop, for every request).
-    embedding: list[float] | None = Field(default=None, exclude_if=lambda value: value is None)
+    embedding: list[float] | None = Field(
+        default=None,
+        exclude_if=lambda value: value is None,
+        description="the tile's embedding: present only in predict_with_embedding answers",
+    )
 
     def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
         for name, value in super().__repr_args__():
@@ -210,15 +218,15 @@ class ModelMetadata(BaseModel):
 
     model_config = ConfigDict(protected_namespaces=())
 
-    name: str
-    version: str
-    task: str
-    tile_size: int
+    name: str = Field(description="the model's name (its model.json's, not the route's)")
+    version: str = Field(description="the model's version, as its model.json gives it")
+    task: str = Field(description="what it computes, e.g. gene-expression")
+    tile_size: int = Field(description="pixels a side the model takes; other tiles are resized")
     resolution: float = Field(description="µm/px the model expects")
-    mean: list[float]
-    std: list[float]
-    interpolation: str
-    modes: list[Mode]
+    mean: list[float] = Field(description="per-channel mean the pixels are normalized with")
+    std: list[float] = Field(description="per-channel standard deviation, likewise")
+    interpolation: str = Field(description="how a tile of another size is resized")
+    modes: list[Mode] = Field(description="the modes it serves (predict, embed, ...)")
     gene_names: list[str] = Field(description="names of the predict output, in order")
     output_size: int = Field(description="how many values a predict output holds")
     output_shape: list[int] | None = Field(
@@ -227,13 +235,18 @@ class ModelMetadata(BaseModel):
         "mask's [14, 14]): `output` holds it flattened, row-major; null for a vector",
     )
     embedding_size: int = Field(description="the embedding's width; 0 if it serves none")
-    accepts_bulk_rna: bool = False
+    accepts_bulk_rna: bool = Field(default=False, description="whether requests may send bulk_rna")
     trained: bool = Field(description="False for the seeded, untrained reference checkpoints")
-    description: str = ""
-    checkpoint_sha256: str
+    description: str = Field(default="", description="free text from its model.json")
+    checkpoint_sha256: str = Field(
+        description="the sha256 of the .pt2 it runs: every inference answer's "
+        "histoinfer-checkpoint-sha256 header names it too"
+    )
     checkpoint_kind: str = Field(description="'torch.export' or 'aoti'")
-    device: str
-    batching: BatchingSettings | None = None
+    device: str = Field(description="where its passes run: cpu, cuda:0, ...")
+    batching: BatchingSettings | None = Field(
+        default=None, description="the batching settings in force, where a client serves it"
+    )
 
 
 class InvocationEnvelope(BaseModel):

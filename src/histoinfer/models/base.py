@@ -324,9 +324,13 @@ class ServerModel:
     # -- the four steps -------------------------------------------------------------------
 
     def metadata(self) -> ModelMetadata:
+        """What this model is (SPEC §3.3), built once from its checkpoint and ``model.json``;
+        a client adds the batching settings it serves it with."""
         return self._metadata
 
     def check_mode(self, mode: Mode) -> None:
+        """Raise ``UnsupportedModeError`` for a mode this model does not serve (its
+        ``model.json``'s ``modes``). Override to refuse more; called before any decoding."""
         if mode not in self.modes:
             raise UnsupportedModeError(
                 f"model {self.assets.name!r} does not support mode {mode!r} "
@@ -529,6 +533,12 @@ class ServerModel:
         )
 
     def postprocess(self, request: ModelRequest, output: SampleOutput, mode: Mode) -> ModelResponse:
+        """One tile's response from its pass's output: the predictions (or, for ``embed``, the
+        embedding) as ``output``, the request's tile fields echoed, and the embedding beside
+        them for ``predict_with_embedding``. Refuses a NaN or infinite output
+        (``ModelExecutionError``). Override to reshape or rename what a model gives; an
+        ``InferenceError`` raised here fails this tile's request alone (in a ``*_batch``
+        call, the whole call)."""
         if not output.finite:
             raise non_finite_error(self.assets.name, f"for {request.where()}")
         values = output.embedding if mode == "embed" else output.predictions
