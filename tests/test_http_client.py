@@ -313,26 +313,31 @@ async def test_connection_errors_are_retried_then_reported():
 
 
 @pytest.mark.parametrize(
-    ("raised", "said"),
+    ("raised", "words", "said"),
     [
-        (httpx.ReadTimeout(""), "no answer within 5 s (ReadTimeout)"),
-        (httpx.WriteTimeout("timed out"), "could not send the request within 5 s (WriteTimeout:"),
-        (httpx.ConnectTimeout(""), "could not connect within 5 s (ConnectTimeout)"),
-        (httpx.ConnectError("refused"), "cannot reach the server (ConnectError: refused)"),
-        (httpx.ReadError("reset"), "the connection was lost before the answer (ReadError: reset)"),
+        (httpx.ReadTimeout, "", "no answer within 5 s (ReadTimeout)"),
+        (httpx.WriteTimeout, "timed out", "could not send the request within 5 s (WriteTimeout:"),
+        (httpx.ConnectTimeout, "", "could not connect within 5 s (ConnectTimeout)"),
+        (httpx.ConnectError, "refused", "cannot reach the server (ConnectError: refused)"),
+        (httpx.ReadError, "reset", "the connection was lost before the answer (ReadError: reset)"),
         (
-            httpx.RemoteProtocolError("peer closed"),
+            httpx.RemoteProtocolError,
+            "peer closed",
             "the connection was lost before the answer (RemoteProtocolError: peer closed)",
         ),
     ],
 )
-def test_a_failed_request_says_which_step_failed(raised: httpx.HTTPError, said: str) -> None:
+def test_a_failed_request_says_which_step_failed(
+    raised: type[httpx.HTTPError], words: str, said: str
+) -> None:
     """Regression (a chaos trial): a reset after the request went out said "cannot reach the
     server", a request that could not be sent said "no answer", and an async timeout said
     "(ReadTimeout: )", httpx's async timeouts having no words."""
 
     def fail(request: httpx.Request) -> httpx.Response:
-        raise raised
+        # Made here: an instance made by the parametrization, raised, would hold its request
+        # for the whole session (the tests counting live requests below see it).
+        raise raised(words)
 
     transport = httpx.MockTransport(fail)
     with (
@@ -1714,6 +1719,32 @@ def test_a_large_batch_goes_as_requests_within_both_budgets_answered_in_order(as
         sent.clear()
         assert len(client.embed_batch(bodies)) == len(bodies)
         assert sent == [(len(bodies), sent[0][1])]  # within the defaults: one request
+
+
+def test_a_split_batch_that_fails_mid_way_says_where_and_what_was_lost() -> None:
+    """Regression (a chaos trial): a server killed mid-call failed a split call with "POST
+    …/batch failed after 4 attempts" alone; the 600 answers before it were dropped unsaid."""
+    sent: list[tuple[int, int]] = []
+    echo = _echoing_batches(sent)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if len(sent) == 2:  # the third request: the server has gone
+            raise httpx.ConnectError("Connection refused")
+        return echo.handler(request)  # type: ignore[attr-defined]
+
+    bodies = [make_body(i) for i in range(10)]
+    options = {"max_batch_requests": 4, "retries": 0}
+    with (
+        HttpClient("http://h", transport=httpx.MockTransport(handler), **options) as client,
+        pytest.raises(InferenceError) as info,
+    ):
+        client.predict_batch(bodies)
+    assert str(info.value).startswith(
+        "in the /batch request holding positions 8-9 of this call's 10 (the 8 before it were "
+        "answered and nothing is returned): POST http://h/api/predict/h1/batch failed after 1 "
+        "attempt: cannot reach the server"
+    )
+    assert info.value.positions is None and info.value.retryable
 
 
 @pytest.mark.anyio

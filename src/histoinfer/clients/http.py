@@ -1146,11 +1146,21 @@ class _Batch:
         call's own, and its message (the server's, whose positions count within the request)
         says which request it was. A call sent as one request keeps the server's words, as
         ``InProcessClient`` has them."""
-        if not self.split or not (isinstance(error, InvalidRequestError) or error.positions):
+        if not self.split:
+            return
+        held = f"position {start}" if stop - start == 1 else f"positions {start}-{stop - 1}"
+        if not (isinstance(error, InvalidRequestError) or error.positions):
+            # Not a refusal of bodies (a server out of reach, overloaded, failing): which
+            # request failed, and what became of those before it, which a caller resuming
+            # the call needs (a chaos trial: "failed after 4 attempts", and 600 answers gone).
+            before = f"the {start:,} before it were answered and" if start else "none"
+            error.args = (
+                f"in the /batch request holding {held} of this call's {self.count:,} "
+                f"({before} nothing is returned): {error}",
+            )
             return
         if error.positions is not None:
             error.positions = [start + position for position in error.positions]
-        held = f"position {start}" if stop - start == 1 else f"positions {start}-{stop - 1}"
         add = f"add {start} to the positions named below; " if start else ""
         # The server's "nothing was computed" is of its request: earlier ones of the call were.
         said = str(error).replace(", nothing was computed:", ", nothing of it was computed:", 1)
