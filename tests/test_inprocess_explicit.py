@@ -925,7 +925,12 @@ async def test_aclose_finishes_work_in_flight_and_refuses_new(model: CountingMod
 
 def test_from_checkpoint_builds_an_explicit_client(tiny_checkpoint: Any) -> None:
     with InProcessClient.from_checkpoint(
-        "h1", tiny_checkpoint, max_batch_size=3, dynamic_batching=False, max_queue=10
+        "h1",
+        tiny_checkpoint,
+        max_batch_size=3,
+        dynamic_batching=False,
+        max_queue=10,
+        request_timeout=2.5,
     ) as c:
         meta = json.loads(c.metadata())
         assert meta["batching"] == {
@@ -933,6 +938,7 @@ def test_from_checkpoint_builds_an_explicit_client(tiny_checkpoint: Any) -> None
             "max_batch_size": 3,
             "max_wait_ms": 5.0,
             "max_queue": 10,
+            "request_timeout": 2.5,  # an evaluator: the settings in force lacked it
         }
         assert meta["device"] == "cpu" and meta["checkpoint_kind"] == "torch.export"
         assert len(c.predict_batch([make_body(i) for i in range(4)])) == 4

@@ -211,6 +211,8 @@ class BatchingSettings(BaseModel):
     max_batch_size: int
     max_wait_ms: float
     max_queue: int | None = None
+    #: seconds a request may wait for its pass (``--request-timeout``); None: no bound
+    request_timeout: float | None = None
 
 
 class ModelMetadata(BaseModel):

@@ -659,6 +659,7 @@ class InProcessClient(ClosingContext, Client):
                     max_batch_size=max_batch_size,
                     max_wait_ms=self.max_wait_ms,
                     max_queue=max_queue,
+                    request_timeout=request_timeout,
                 )
             }
         )
