@@ -6,7 +6,6 @@ import argparse
 import hashlib
 import importlib
 import json
-import logging
 import shutil
 import subprocess
 import sys
@@ -408,24 +407,37 @@ def test_a_variable_is_read_only_where_the_command_line_leaves_its_option(
     )
 
 
+@pytest.mark.parametrize("log_format", ["text", "json"])
 def test_a_variable_that_sets_nothing_is_warned_of(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tiny_checkpoint: Path,
+    log_format: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """An evaluator's misspelt HISTOINFER_MAX_QEUE=4 was ignored unsaid, and HISTOINFER_DEBUG
-    looks like --debug's variable but is not read; Kubernetes' service variables are no
-    one's mistake."""
+    looks like --debug's variable but is not read; Kubernetes' service variables (of a
+    Service named histoinfer, or histoinfer-x) are no one's mistake. Said once the log is set
+    up: said while the options were read, it was plain text in a JSON log (a review)."""
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, *_: None)
     for name in (
         "HISTOINFER_MAX_QEUE",
         "HISTOINFER_DEBUG",
         "HISTOINFER_WHATEVER",
         "HISTOINFER_SERVICE_HOST",
+        "HISTOINFER_SERVICE_PORT_HTTP",
         "HISTOINFER_PORT_8080_TCP_ADDR",
+        "HISTOINFER_X_SERVICE_HOST",
+        "HISTOINFER_X_PORT",
+        "HISTOINFER_X_PORT_8080_TCP",
         "HISTOINFER_SCRIPT_CACHE",
     ):
         monkeypatch.setenv(name, "1")
-    caplog.set_level(logging.WARNING, logger="histoinfer.server")
-    serve_options(["--model", "h1", "--checkpoint", "x.pt2"])
-    assert caplog.messages == [
+    serve = ["serve", "--model", "h1", "--checkpoint", str(tiny_checkpoint), "--port", "0"]
+    assert main([*serve, "--log-format", log_format]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if "not a setting" in line]
+    said = [
         "HISTOINFER_DEBUG is not a setting of histoinfer serve (--debug has no variable: give "
         "it on the command line): ignored",
         "HISTOINFER_MAX_QEUE is not a setting of histoinfer serve (did you mean "
@@ -433,6 +445,11 @@ def test_a_variable_that_sets_nothing_is_warned_of(
         "HISTOINFER_WHATEVER is not a setting of histoinfer serve (no option of serve's reads "
         "it): ignored",
     ]
+    if log_format == "json":
+        records = [json.loads(line) for line in lines]
+        assert [(r["level"], r["message"]) for r in records] == [("WARNING", m) for m in said]
+    else:
+        assert lines == [f"histoinfer: warning: {m}" for m in said]
 
 
 def test_serve_says_the_settings_in_force_wherever_they_came_from(

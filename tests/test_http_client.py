@@ -141,10 +141,13 @@ async def test_answers_from_another_checkpoint_are_warned_of_or_refused_when_pin
                 transport.swap = True
                 await free.predict_async(make_body(1))
                 await free.embed_batch_async([make_body(2)])  # the same again: said once
+                for i in range(6):  # a load balancer alternating: no new change (a review)
+                    transport.swap = not transport.swap
+                    await free.predict_async(make_body(i))
         said = [r.getMessage() for r in caplog.records if "now answers" in r.getMessage()]
         assert said == [
-            f"model 'h1' at http://asgi now answers from checkpoint {new_sha[:12]}…, not "
-            f"{old_sha[:12]}… as before: this client's results mix the two (pass "
+            f"model 'h1' at http://asgi now answers from checkpoint {new_sha[:12]}…, not only "
+            f"{old_sha[:12]}… as before: this client's results mix them (pass "
             "checkpoint_sha256= to refuse any other)"
         ]
 
@@ -159,6 +162,9 @@ async def test_answers_from_another_checkpoint_are_warned_of_or_refused_when_pin
                         await call(make_body(4) if call == pinned.predict_async else [make_body(4)])
                     assert f"not checkpoint {old_sha[:12]}…" in str(e.value)
                     assert not e.value.retryable
+        assert pinned.checkpoint_sha256 == old_sha
+        with pytest.raises(AttributeError):  # read-only: a pin set later was never checked
+            pinned.checkpoint_sha256 = None  # type: ignore[misc]
 
 
 def test_an_answer_that_does_not_name_its_checkpoint_is_refused_only_when_pinned() -> None:

@@ -286,9 +286,9 @@ class HttpClient(ClosingContext, Client):
         )
         self._calls = InFlight()
         self._warned_untrained = False
-        self.checkpoint_sha256 = checkpoint_sha256
-        #: the checkpoint the last inference answer named (warned of when it changes)
-        self._answered_by: str | None = checkpoint_sha256
+        self._pinned = checkpoint_sha256
+        #: the checkpoints inference answers have named so far (a new one is warned of)
+        self._answered_by: set[str] = set()
         self._released = False  # the pools are closed: after close() and its calls in flight
         self._lock = threading.Lock()
         self._sync: _Shards[httpx.Client] | None = None
@@ -450,12 +450,19 @@ class HttpClient(ClosingContext, Client):
                 self._shown_base_url,
             )
 
-    def _note_checkpoint(self, checkpoint: str | None) -> None:
-        """An inference answer named the checkpoint that computed it (None: it did not):
-        refused unless it is the pinned one; otherwise a change is warned of. A server
-        restarted on another checkpoint mid-job mixed its answers into the job's unsaid (a
-        user trial: 884 of 1,500 results from a different model)."""
-        pinned = self.checkpoint_sha256
+    @property
+    def checkpoint_sha256(self) -> str | None:
+        """The checkpoint every inference answer must come from (the constructor's), or None."""
+        return self._pinned
+
+    def _note_checkpoint(self, response: httpx.Response) -> None:
+        """An inference answer's checkpoint (its header; absent from an older server): refused
+        unless it is the pinned one; otherwise each new one after the first is warned of,
+        once (a load balancer alternating between two replicas is one change, not one a
+        request). A server restarted on another checkpoint mid-job mixed its answers into the
+        job's unsaid (a user trial: 884 of 1,500 results from a different model)."""
+        checkpoint = response.headers.get(CHECKPOINT_HEADER)
+        pinned = self._pinned
         if pinned is not None:
             if checkpoint != pinned:
                 said = (
@@ -464,23 +471,29 @@ class HttpClient(ClosingContext, Client):
                     else f"no checkpoint (no {CHECKPOINT_HEADER} header: a server older than "
                     "this client, or a proxy that drops it)"
                 )
-                raise InferenceError(
+                error = InferenceError(
                     f"model {self.model!r} at {self._shown_base_url} answered from {said}, not "
                     f"checkpoint {pinned[:12]}… as this client's checkpoint_sha256 requires; "
                     "the answer was dropped"
                 )
+                error.request_id = response.headers.get("x-request-id")
+                raise error
             return
-        if checkpoint is None or checkpoint == self._answered_by:
+        if checkpoint is None or checkpoint in self._answered_by:
             return
-        before, self._answered_by = self._answered_by, checkpoint
-        if before is not None:
+        with self._lock:  # sync calls answer on many threads at once
+            if checkpoint in self._answered_by:
+                return
+            before = sorted(self._answered_by)
+            self._answered_by.add(checkpoint)
+        if before:
             log.warning(
-                "model %r at %s now answers from checkpoint %s…, not %s… as before: this "
-                "client's results mix the two (pass checkpoint_sha256= to refuse any other)",
+                "model %r at %s now answers from checkpoint %s…, not only %s as before: this "
+                "client's results mix them (pass checkpoint_sha256= to refuse any other)",
                 self.model,
                 self._shown_base_url,
                 checkpoint[:12],
-                before[:12],
+                ", ".join(f"{sha[:12]}…" for sha in before),
             )
 
     # -- requests ----------------------------------------------------------------------------
@@ -861,7 +874,7 @@ class _Attempt:
             if headers.get(TRAINED_HEADER) == "false":
                 self.client._note_untrained()
             if self.method == "POST":  # an inference answer
-                self.client._note_checkpoint(headers.get(CHECKPOINT_HEADER))
+                self.client._note_checkpoint(response)
             return None
         if response.status_code in _RETRY_STATUSES and self.number < self.client.retries:
             log.debug("HTTP %d from %s; retrying", response.status_code, _shown(response.url))

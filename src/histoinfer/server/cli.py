@@ -196,7 +196,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "1 or 0); the command line wins, and a HISTOINFER_ variable that sets nothing is "
         "warned of."
     )
-    defaults_from_environment(parser)
+    parser.set_defaults(unknown_variables=defaults_from_environment(parser))
 
 
 # Option types: a bad value is refused by argparse with a usage line, never accepted and then
@@ -319,6 +319,8 @@ def run(args: argparse.Namespace) -> int:
     _check_bindable(args.host, args.port)
     logging.getLogger("histoinfer").setLevel(args.log_level.upper())
     _format_log(args.log_format)
+    for said in args.unknown_variables:
+        _say(args, logging.WARNING, said)
     app = create_app(
         sources,
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
@@ -382,7 +384,9 @@ def _say(args: argparse.Namespace, level: int, message: str) -> None:
         said = logging.LogRecord(log.name, level, __file__, 0, message, None, None)
         print(JsonFormatter().format(said), file=sys.stderr, flush=True)
     else:
-        kind = "error: " if level >= logging.ERROR else ""
+        kind = (
+            "error: " if level >= logging.ERROR else "warning: " if level >= logging.WARNING else ""
+        )
         print(f"histoinfer: {kind}{message}", file=sys.stderr, flush=True)
 
 

@@ -12,6 +12,7 @@ import argparse
 import difflib
 import logging
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -30,9 +31,12 @@ _FALSE = {"0", "false", "no", "off"}
 #: what Kubernetes writes into ``<SERVICE>_PORT`` for every Service in the namespace (a
 #: Service named ``histoinfer`` sets ``HISTOINFER_PORT=tcp://10.96.0.12:8080`` in every pod)
 _SERVICE_LINKS = ("tcp://", "udp://", "sctp://")
-#: the other variables Kubernetes sets for such a Service: ``HISTOINFER_SERVICE_HOST``,
-#: ``HISTOINFER_SERVICE_PORT_HTTP``, ``HISTOINFER_PORT_8080_TCP_ADDR``...
-_SERVICE_VARIABLES = (PREFIX + "SERVICE_", PREFIX + "PORT_")
+#: the variables Kubernetes sets for a Service named ``histoinfer`` (``HISTOINFER_SERVICE_HOST``,
+#: ``HISTOINFER_SERVICE_PORT_HTTP``, ``HISTOINFER_PORT_8080_TCP_ADDR``...) or ``histoinfer-x``
+#: (``HISTOINFER_X_SERVICE_HOST``, ``HISTOINFER_X_PORT``...), in every pod of its namespace
+_SERVICE_VARIABLE = re.compile(
+    PREFIX + r"(?:\w+_)?(?:SERVICE_HOST|SERVICE_PORT(?:_\w+)?|PORT(?:_\d+_(?:TCP|UDP|SCTP)\w*)?)"
+)
 
 
 def variable_for(option: str) -> str:
@@ -42,7 +46,7 @@ def variable_for(option: str) -> str:
 
 def defaults_from_environment(
     parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None
-) -> None:
+) -> list[str]:
     """Set each long option's default from its variable, where it is set and not empty.
 
     A value is kept as text and converted by argparse only if the option is not given on the
@@ -50,6 +54,9 @@ def defaults_from_environment(
     (``--model``, ``--checkpoint``, ``--assets``, ``--import``) takes several values separated
     by commas, and given on the command line, its values replace the variable's (they would
     otherwise be added to them). A flag takes 1, true, yes or on (0, false, no or off: unset).
+
+    Returns what to warn of: each ``HISTOINFER_`` variable that sets nothing, said by the
+    command once its log is set up (here, before it, a line would miss ``--log-format json``).
     """
     environ = os.environ if environ is None else environ
     known = set(_OTHERS)
@@ -76,19 +83,20 @@ def defaults_from_environment(
             # not given: the wrapper names the variable in the refusal.
             action.type = _from_variable(name, text, action.type, action.choices)
             action.default = text
-    _warn_of_unknown(environ, known)
+    return _unknown(environ, known)
 
 
 #: variables of histoinfer's that are not serve's options
 _OTHERS = ("HISTOINFER_SCRIPT_CACHE",)
 
 
-def _warn_of_unknown(environ: Mapping[str, str], known: set[str]) -> None:
-    """Say which ``HISTOINFER_*`` variables set nothing: a misspelt one
+def _unknown(environ: Mapping[str, str], known: set[str]) -> list[str]:
+    """Which ``HISTOINFER_*`` variables set nothing, each said as a warning: a misspelt one
     (``HISTOINFER_MAX_QEUE``) was ignored unsaid, and ``HISTOINFER_DEBUG`` looks like
     ``--debug``'s but is not read. Kubernetes' service variables are left alone."""
+    said = []
     for name in sorted(environ):
-        if not name.startswith(PREFIX) or name in known or name.startswith(_SERVICE_VARIABLES):
+        if not name.startswith(PREFIX) or name in known or _SERVICE_VARIABLE.fullmatch(name):
             continue
         if name == variable_for("--debug"):
             why = "--debug has no variable: give it on the command line"
@@ -97,7 +105,8 @@ def _warn_of_unknown(environ: Mapping[str, str], known: set[str]) -> None:
             suffixes = sorted(known_name.removeprefix(PREFIX) for known_name in known)
             close = difflib.get_close_matches(name.removeprefix(PREFIX), suffixes, n=1)
             why = f"did you mean {PREFIX}{close[0]}?" if close else "no option of serve's reads it"
-        log.warning("%s is not a setting of histoinfer serve (%s): ignored", name, why)
+        said.append(f"{name} is not a setting of histoinfer serve ({why}): ignored")
+    return said
 
 
 def _flag(parser: argparse.ArgumentParser, name: str, text: str) -> bool:
