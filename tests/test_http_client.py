@@ -1727,14 +1727,21 @@ def test_a_large_batch_goes_as_requests_within_both_budgets_answered_in_order(as
         assert sent == [(len(bodies), sent[0][1])]  # within the defaults: one request
 
 
-def test_a_split_batch_that_fails_mid_way_says_where_and_what_was_lost() -> None:
+@pytest.mark.parametrize(
+    ("failing", "where"),
+    [
+        (2, "positions 8-9 of this call's 10 (the 8 before it were answered and nothing"),
+        (0, "positions 0-3 of this call's 10 (nothing"),  # a review: "(none nothing is …)"
+    ],
+)
+def test_a_split_batch_that_fails_mid_way_says_where_and_what_was_lost(failing, where) -> None:
     """Regression (a chaos trial): a server killed mid-call failed a split call with "POST
     …/batch failed after 4 attempts" alone; the 600 answers before it were dropped unsaid."""
     sent: list[tuple[int, int]] = []
     echo = _echoing_batches(sent)
 
     def handler(request: httpx.Request) -> httpx.Response:
-        if len(sent) == 2:  # the third request: the server has gone
+        if len(sent) == failing:  # the server has gone
             raise httpx.ConnectError("Connection refused")
         return echo.handler(request)  # type: ignore[attr-defined]
 
@@ -1746,11 +1753,48 @@ def test_a_split_batch_that_fails_mid_way_says_where_and_what_was_lost() -> None
     ):
         client.predict_batch(bodies)
     assert str(info.value).startswith(
-        "in the /batch request holding positions 8-9 of this call's 10 (the 8 before it were "
-        "answered and nothing is returned): POST http://h/api/predict/h1/batch failed after 1 "
-        "attempt: cannot reach the server"
+        f"in the /batch request holding {where} is returned): POST "
+        "http://h/api/predict/h1/batch failed after 1 attempt: cannot reach the server"
     )
     assert info.value.positions is None and info.value.retryable
+
+
+@pytest.mark.anyio
+async def test_a_split_batch_answered_by_two_checkpoints_fails_rather_than_mix_them() -> None:
+    """Regression (a re-trial): a server restarted on another checkpoint between a split
+    call's requests returned one list mixing two models' results, warned of at most once
+    per client; the call now fails, sync and async, saying where."""
+    old_sha, new_sha = "a" * 64, "b" * 64
+    sent: list[tuple[int, int]] = []
+    echo = _echoing_batches(sent)
+    restarted = [3]  # the server restarts before the request of this number
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        response = echo.handler(request)  # type: ignore[attr-defined]
+        sha = old_sha if len(sent) < restarted[0] else new_sha
+        response.headers["histoinfer-checkpoint-sha256"] = sha
+        response.headers["x-request-id"] = f"r{len(sent)}"
+        return response  # type: ignore[no-any-return]
+
+    bodies = [make_body(i) for i in range(10)]
+    options = {"max_batch_requests": 4, "retries": 0, "transport": httpx.MockTransport(handler)}
+    want = (
+        "in the /batch request holding positions 8-9 of this call's 10 (the 8 before it were "
+        f"answered and nothing is returned): model 'h1' at http://h answered from checkpoint "
+        f"{new_sha[:12]}…, not checkpoint {old_sha[:12]}… as it did this call's earlier requests"
+    )
+    with HttpClient("http://h", **options) as client:
+        with pytest.raises(InferenceError) as info:
+            client.predict_batch(bodies)
+        assert str(info.value).startswith(want) and info.value.request_id == "r3"
+        restarted[0] = 0  # a call answered by one checkpoint throughout is not refused
+        assert len(client.predict_batch(bodies)) == 10
+    sent.clear()
+    restarted[0] = 3
+    async with HttpClient("http://h", **options) as client:
+        with anyio.fail_after(30), pytest.raises(InferenceError) as info:
+            await client.embed_batch_async(bodies)
+    assert str(info.value).startswith(want.replace("predict", "embed"))
 
 
 @pytest.mark.anyio

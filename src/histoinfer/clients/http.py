@@ -543,6 +543,7 @@ class HttpClient(ClosingContext, Client):
                 except InferenceError as exc:
                     batch.shift(exc, start, stop)
                     raise
+                batch.answered(response, start, stop)
                 responses += _split_batch(response, stop - start)
                 # Dropped before the next request's is built: the response holds its request,
                 # and so the body (up to max_batch_bytes), until it goes (a review: two held).
@@ -577,6 +578,7 @@ class HttpClient(ClosingContext, Client):
                         except InferenceError as exc:
                             batch.shift(exc, start, stop)
                             raise
+                        batch.answered(response, start, stop)
                         responses += _split_batch(response, stop - start)
                         del part, content, response  # as in _infer_batch
                 return responses
@@ -1134,6 +1136,32 @@ class _Batch:
         self.split = split
         #: the planned requests, ``(start, stop)`` of the bodies
         self.parts = parts
+        #: the checkpoint header of the call's first answer (``_Batch.answered``)
+        self.checkpoint: str | None = None
+
+    def answered(self, response: httpx.Response, start: int, stop: int) -> None:
+        """Refuses a split call's answer from another checkpoint than its first: a server
+        restarted on another checkpoint, or replicas on two, between its requests returned
+        one list mixing two models' results (a user trial). A pinned client refused it already."""
+        checkpoint = response.headers.get(CHECKPOINT_HEADER)
+        if not start:
+            self.checkpoint = checkpoint
+            return
+        if checkpoint == self.checkpoint:
+            return
+
+        def named(sha: str | None) -> str:
+            return f"checkpoint {sha[:12]}…" if sha is not None else "an unnamed checkpoint"
+
+        error = InferenceError(
+            f"model {self.client.model!r} at {self.client._shown_base_url} answered from "
+            f"{named(checkpoint)}, not {named(self.checkpoint)} as it did this call's earlier "
+            "requests: the call's results would mix two models (pass checkpoint_sha256= to "
+            "accept one only)"
+        )
+        error.request_id = response.headers.get("x-request-id")
+        self.shift(error, start, stop)
+        raise error
 
     def refused(self, start: int, stop: int) -> Callable[[httpx.Response], InferenceError]:
         """The error for a refusal of the request of ``bodies[start:stop]``: a 413 of several
@@ -1161,24 +1189,24 @@ class _Batch:
         ``InProcessClient`` has them."""
         if not self.split:
             return
-        held = f"position {start}" if stop - start == 1 else f"positions {start}-{stop - 1}"
+        held = f"position {start:,}" if stop - start == 1 else f"positions {start:,}-{stop - 1:,}"
         if not (isinstance(error, InvalidRequestError) or error.positions):
             # Not a refusal of bodies (a server out of reach, overloaded, failing): which
             # request failed, and what became of those before it, which a caller resuming
             # the call needs (a chaos trial: "failed after 4 attempts", and 600 answers gone).
-            before = f"the {start:,} before it were answered and" if start else "none"
+            before = f"the {start:,} before it were answered and " if start else ""
             error.args = (
                 f"in the /batch request holding {held} of this call's {self.count:,} "
-                f"({before} nothing is returned): {error}",
+                f"({before}nothing is returned): {error}",
             )
             return
         if error.positions is not None:
             error.positions = [start + position for position in error.positions]
-        add = f"add {start} to the positions named below; " if start else ""
+        add = f"add {start:,} to the positions named below; " if start else ""
         # The server's "nothing was computed" is of its request: earlier ones of the call were.
         said = str(error).replace(", nothing was computed:", ", nothing of it was computed:", 1)
         error.args = (
-            f"in the /batch request holding {held} of this call's {self.count} ({add}"
+            f"in the /batch request holding {held} of this call's {self.count:,} ({add}"
             f"error.positions are the call's; nothing is returned): {said}",
         )
 
