@@ -45,7 +45,7 @@ def worker(checkpoint: str, bodies_file: str, lone_calls: str) -> None:
 
     logging.getLogger("histoinfer.untrained").disabled = True  # known: reference checkpoints
 
-    bodies: list[str] = json.loads(Path(bodies_file).read_text())
+    bodies: list[str] = json.loads(Path(bodies_file).read_text(encoding="utf-8"))
     model = build_server_model("h1", checkpoint)
     dynamic = InProcessClient(model)
     explicit = InProcessClient(model, dynamic_batching=False)
@@ -140,7 +140,9 @@ def main() -> None:
     workdir = args.workdir or default_workdir()
     checkpoint = ensure_checkpoint("tiny", workdir, print)
     bodies_file = workdir / f"ab-bodies-{args.bodies}.json"
-    bodies_file.write_text(json.dumps(load_bodies(args.bodies, 0, workdir, print)))
+    bodies_file.write_text(
+        json.dumps(load_bodies(args.bodies, 0, workdir, print)), encoding="utf-8"
+    )
 
     def start(src: str) -> subprocess.Popen[str]:
         command = [sys.executable, __file__, "--a", "-", "--b", "-", "--worker"]

@@ -30,7 +30,7 @@ from histoinfer.clients.http import HttpClient
 def resident_mb(pid: int) -> float:
     """The process's resident memory in MB (VmRSS), 0 if unknown."""
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        for line in Path(f"/proc/{pid}/status").read_text(encoding="utf-8").splitlines():
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     except OSError:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -37,6 +38,8 @@ def main() -> None:
     parser.add_argument("--calls", choices=["async", "sync"], default="async")
     parser.add_argument("--workdir", type=Path, default=default_workdir())
     args = parser.parse_args()
+    if not Path("/proc/self/stat").is_file():  # ServerProcess.cpu_s() would be None
+        sys.exit("this benchmark reads the server's CPU from /proc: Linux only")
     checkpoint = ensure_checkpoint("tiny", args.workdir, print)
     bodies = load_bodies(args.bodies, 0, args.workdir, print)
     # Each shard size with a TLS context per httpx client (httpx's default) and with one shared.

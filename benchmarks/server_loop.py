@@ -52,6 +52,8 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=default_workdir())
     parser.add_argument("--src", help="two src/ folders to compare, A,B (instead of parsers)")
     args = parser.parse_args()
+    if not Path("/proc/self/stat").is_file():  # ServerProcess.cpu_s() would be None
+        sys.exit("this benchmark reads the server's CPU from /proc: Linux only")
     # Each variant: how its server is started (launcher, environment).
     variants: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
         name: ((__file__, "--serve-with", name), {}) for name in PARSERS

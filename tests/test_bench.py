@@ -266,14 +266,43 @@ def test_the_http_paths_process_loads_no_model(
         open_path(replace(spec, name="explicit"))
 
 
+def _measured_over_http(server: Any, workdir: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The HTTP path measured at 4 tiles against ``server`` (a stand-in for ServerProcess)
+    and a client answering at once: ``(opened path, sample)``."""
+    import anyio.from_thread
+
+    from histoinfer.bench.paths import HttpLoopback
+
+    class Client:
+        async def predict_async(self, body: str) -> str:
+            return json.dumps({"patch_idx": json.loads(body)["patch_idx"]})
+
+        async def aclose(self) -> None:
+            pass
+
+    def fake_open(self: HttpLoopback) -> None:
+        self.server = server
+        self._client = Client()  # type: ignore[assignment]
+        self._counters = {}
+        self._portal_context = anyio.from_thread.start_blocking_portal("asyncio")
+        self._portal = self._portal_context.__enter__()
+
+    monkeypatch.setattr(HttpLoopback, "unavailable", lambda self: None)
+    monkeypatch.setattr(HttpLoopback, "open", fake_open)
+    (workdir / "bodies-4-seed0.json").write_text(json.dumps(make_bodies(4)))
+    checkpoint = str(workdir / "h1-tiny" / "model.pt2")
+    opened = open_path(PathSpec("tiny", "http", checkpoint, 4, 0, str(workdir), 4, 5.0))
+    try:
+        return opened, opened.measure(4, 4)
+    finally:
+        opened.close()
+
+
 def test_the_http_paths_server_counters_are_read_outside_its_cpu_clocks(
     workdir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Reading /metrics costs the bench process CPU (a new httpx client each time): read
     inside the CPU window, it was nearly all of the HTTP path's "other" CPU at 32 tiles."""
-    import anyio.from_thread
-
-    from histoinfer.bench.paths import HttpLoopback
 
     spin_s = 0.2
 
@@ -293,32 +322,48 @@ def test_the_http_paths_server_counters_are_read_outside_its_cpu_clocks(
         def close(self) -> None:
             pass
 
-    class Client:
-        async def predict_async(self, body: str) -> str:
-            return json.dumps({"patch_idx": json.loads(body)["patch_idx"]})
-
-        async def aclose(self) -> None:
-            pass
-
-    def fake_open(self: HttpLoopback) -> None:
-        self.server = Server()  # type: ignore[assignment]
-        self._client = Client()
-        self._counters = {}
-        self._portal_context = anyio.from_thread.start_blocking_portal("asyncio")
-        self._portal = self._portal_context.__enter__()
-
-    monkeypatch.setattr(HttpLoopback, "unavailable", lambda self: None)
-    monkeypatch.setattr(HttpLoopback, "open", fake_open)
-    (workdir / "bodies-4-seed0.json").write_text(json.dumps(make_bodies(4)))
-    checkpoint = str(workdir / "h1-tiny" / "model.pt2")
-    opened = open_path(PathSpec("tiny", "http", checkpoint, 4, 0, str(workdir), 4, 5.0))
-    try:
-        sample = opened.measure(4, 4)
-    finally:
-        opened.close()
+    opened, sample = _measured_over_http(Server(), workdir, monkeypatch)
     assert opened.path.server.reads == 2  # type: ignore[attr-defined]
     assert sample.batches == 10 and sample.samples == 40 and sample.forward_busy_s == 0.0
     assert sample.cpu_s is not None and sample.cpu_s < spin_s
+
+
+def test_the_http_paths_cpu_is_unknown_where_the_servers_cannot_be_read(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without /proc (Windows, macOS) the server's CPU read 0: the HTTP path looked as cheap
+    as its client alone. Unknown now, and said so."""
+
+    from histoinfer.bench.loopback import _proc_cpu_s
+    from histoinfer.bench.runner import _cpu_said
+
+    assert _proc_cpu_s(str(workdir / "no-proc" / "stat")) is None
+
+    class Server:
+        def metrics(self) -> dict[str, float]:
+            return {}
+
+        def cpu_s(self) -> float | None:
+            return None
+
+        def close(self) -> None:
+            pass
+
+    _opened, sample = _measured_over_http(Server(), workdir, monkeypatch)
+    assert sample.cpu_s is None and sample.cpu_ms_per_tile is None
+    assert sample.cpu_ms_per_tile_of("server") is None
+    assert _cpu_said(sample.cpu_ms_per_tile) == "   n/a" and _cpu_said(1.5) == "  1.50"
+
+
+def test_the_load_average_is_na_where_the_platform_has_none(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Windows has no os.getloadavg: each progress line of a sweep raised AttributeError."""
+    from histoinfer.bench.runner import _load_said
+
+    assert re.fullmatch(r"\d+\.\d", _load_said()) or not hasattr(os, "getloadavg")
+    monkeypatch.delattr(os, "getloadavg", raising=False)
+    assert _load_said() == "n/a"
 
 
 def test_http_path_reports_why_it_cannot_run() -> None:
@@ -582,6 +627,7 @@ def test_isolated_children_report_refusals_and_failures_to_start() -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.skipif(sys.platform == "win32", reason="os.kill(pid, SIGINT) terminates on Windows")
 def test_ctrl_c_is_left_to_the_parent_which_closes_its_children(
     capfd: pytest.CaptureFixture[str],
 ) -> None:
@@ -607,6 +653,7 @@ class _Interrupted(Exception):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.skipif(sys.platform == "win32", reason="no SIGALRM or setitimer on Windows")
 def test_a_child_whose_call_was_interrupted_is_stopped_at_once() -> None:
     """Closed as the interrupt unwinds, a child still busy with the interrupted call was given
     30 s to answer it: Ctrl-C took that long to end the bench."""

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -731,3 +732,54 @@ def test_both_servers_queue_as_many_connections_as_uvicorn(
     args = ["serve", "--model", "h1", "--checkpoint", str(tiny_checkpoint), "--port", "0"]
     main([*args, "--server", server, "--backend", "asyncio", "--no-warmup"])
     assert backlogs == [2048]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="plays Windows on a POSIX socket module")
+def test_the_address_probe_claims_the_port_exclusively_on_windows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Windows's SO_REUSEADDR lets a second socket bind a port in use: the probe passed there,
+    and the server failed later, after loading its models."""
+    import socket
+
+    from histoinfer.server.cli import _probe_option
+
+    assert _probe_option() == socket.SO_REUSEADDR  # a port in TIME_WAIT is free, as to servers
+    monkeypatch.setattr(sys, "platform", "win32")
+    monkeypatch.setattr(socket, "SO_EXCLUSIVEADDRUSE", -5, raising=False)  # Windows's: ~4
+    assert _probe_option() == -5
+    monkeypatch.delattr(socket, "SO_EXCLUSIVEADDRUSE")
+    assert _probe_option() is None  # no option at all, rather than SO_REUSEADDR
+
+
+def test_hypercorn_on_asyncio_stops_on_a_signal_where_the_loop_cannot_watch_signals(
+    tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """asyncio on Windows has no add_signal_handler (NotImplementedError): the signal watch
+    failed there, and with it `serve --server hypercorn`. Python's own handlers take them."""
+    import asyncio
+    import signal
+
+    import anyio
+    import hypercorn.asyncio
+
+    def unsupported(self: object, *args: object) -> None:
+        raise NotImplementedError  # as asyncio's loops on Windows
+
+    before = signal.getsignal(signal.SIGTERM)
+    stopped: list[bool] = []
+
+    async def hypercorn_serve(app: object, config: object, **kwargs: Any) -> None:
+        with anyio.fail_after(10):
+            while signal.getsignal(signal.SIGTERM) is before:  # the watch is not yet on
+                await anyio.sleep(0.01)
+            signal.raise_signal(signal.SIGTERM)
+            await kwargs["shutdown_trigger"]()  # the drain's stop
+        stopped.append(True)
+
+    monkeypatch.setattr(asyncio.SelectorEventLoop, "add_signal_handler", unsupported)
+    monkeypatch.setattr(hypercorn.asyncio, "serve", hypercorn_serve)
+    args = ["serve", "--model", "h1", "--checkpoint", str(tiny_checkpoint), "--port", "0"]
+    assert main([*args, "--server", "hypercorn", "--backend", "asyncio", "--no-warmup"]) == 0
+    assert stopped == [True]
+    assert signal.getsignal(signal.SIGTERM) is before  # the handlers are put back

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import threading
 import time
 from pathlib import Path
@@ -22,6 +23,7 @@ from histoinfer.models.h1 import (
     IMAGENET_STD,
     H1ServerModel,
     _partial,
+    _running,
     build_reference_module,
     export_reference_h1,
 )
@@ -244,6 +246,7 @@ def test_partial_files_are_private_and_renamed_only_when_complete(tmp_path: Path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt2"]
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="os.kill(pid, 0) terminates on Windows")
 def test_a_killed_exports_private_folder_is_removed_by_the_next_an_hour_later(
     tmp_path: Path,
 ) -> None:
@@ -269,6 +272,22 @@ def test_a_killed_exports_private_folder_is_removed_by_the_next_an_hour_later(
     assert (young / "model.pt2").read_text() == "half"  # another export, maybe still writing
     assert (alive / "model.pt2").read_text() == "half"  # its writer still runs
     assert other.exists()
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="os.kill(pid, 0) terminates on Windows")
+def test_on_windows_no_process_is_signalled_to_see_whether_it_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """There os.kill(pid, 0) would terminate the process: every writer counts as running."""
+    dead = str(_a_pid_that_is_not_running())
+    assert not _running(dead)
+
+    def kill(pid: int, sig: int) -> None:
+        raise AssertionError(f"os.kill({pid}, {sig}) called")
+
+    monkeypatch.setattr(os, "kill", kill)
+    monkeypatch.setattr(sys, "platform", "win32")
+    assert _running(dead)
 
 
 def _a_pid_that_is_not_running() -> int:

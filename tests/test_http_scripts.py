@@ -17,6 +17,11 @@ import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
+#: Both read the server's CPU from /proc, and refuse to run without it (Windows, macOS).
+pytestmark = pytest.mark.skipif(
+    not Path("/proc/self/stat").is_file(), reason="the scripts read the server's CPU from /proc"
+)
+
 
 def _run(script: str, workdir: Path, *options: str) -> str:
     command = [sys.executable, str(BENCHMARKS / script), "--rounds", "1", "--bodies", "8"]

@@ -5,6 +5,7 @@ load slow again, never wrong or failed."""
 from __future__ import annotations
 
 import os
+import sys
 import time
 import warnings
 import zipfile
@@ -124,6 +125,7 @@ def test_a_cache_that_cannot_be_written_is_no_error(
     assert model.forward_batch(tiles(1), "embed").embedding is not None
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="no mode bits on Windows: not checked")
 def test_an_entry_others_may_write_is_not_read(
     tiny_checkpoint: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -142,6 +144,20 @@ def test_an_entry_others_may_write_is_not_read(
     monkeypatch.setattr(torch.export, "load", counting)
     build_server_model("h1", tiny_checkpoint)
     assert len(loads) == 1  # the .pt2, not the entry
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="plays Windows on a POSIX file's mode")
+def test_on_windows_the_mode_everyone_may_write_is_no_refusal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Windows reports 0o666 for every writable file (access is by ACL): the check refused
+    every entry there, so the cache was never read."""
+    entry = tmp_path / "entry.pt"
+    entry.write_bytes(b"")
+    entry.chmod(0o666)
+    assert not script_cache._trusted(entry)
+    monkeypatch.setattr(os, "name", "nt")
+    assert script_cache._trusted(entry)
 
 
 def test_a_model_that_is_not_scripted_neither_reads_nor_writes_it(

@@ -85,6 +85,10 @@ def in_flight(base_url: str) -> float:
     return sum(s.value for s in gauge.samples if s.labels["route"] in inference)
 
 
+#: Windows cannot send these tests' SIGTERM or SIGINT: send_signal terminates the process there
+#: (SIGTERM) or refuses (SIGINT), so nothing drains.
+POSIX_SIGNALS = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals to the server")
+
 SERVERS = pytest.mark.parametrize(
     "server_args",
     [
@@ -110,6 +114,7 @@ def assert_stopped_as_documented(
 
 
 @SERVERS
+@POSIX_SIGNALS
 def test_sigterm_lets_in_flight_requests_finish_and_refuses_new_ones(tiny_checkpoint, server_args):
     args = ["--model", "h1=h1-slow", "--checkpoint", str(tiny_checkpoint), *server_args]
     with serve(args, script=True) as server:
@@ -154,6 +159,7 @@ def test_sigterm_lets_in_flight_requests_finish_and_refuses_new_ones(tiny_checkp
         assert 0 <= signal_line < drain_line, said
 
 
+@POSIX_SIGNALS
 def test_sigint_inherited_ignored_still_ends_the_server_as_interrupted(tiny_checkpoint):
     """A background job of a script (`histoinfer serve ... &`) inherits SIGINT ignored, and
     uvicorn's re-raise of it then did nothing: `kill -INT` drained the server, which exited 0
@@ -221,6 +227,7 @@ def wait_in_flight(server: ServerProcess, n: int) -> None:
 
 
 @SERVERS
+@POSIX_SIGNALS
 def test_requests_outlasting_the_graceful_timeout_are_answered_503_closed(
     tiny_checkpoint, server_args
 ):
@@ -244,6 +251,7 @@ def test_requests_outlasting_the_graceful_timeout_are_answered_503_closed(
 
 
 @SERVERS
+@POSIX_SIGNALS
 def test_during_the_drain_delay_readiness_fails_and_requests_are_served(
     tiny_checkpoint, server_args
 ):
@@ -265,6 +273,7 @@ def test_during_the_drain_delay_readiness_fails_and_requests_are_served(
 
 
 @SERVERS
+@POSIX_SIGNALS
 def test_a_second_signal_lets_in_flight_requests_finish(tiny_checkpoint, server_args):
     """Regression: under uvicorn a second SIGINT was its force quit, and the request in flight
     got a bare 500 (and the log four tracebacks); under hypercorn it was always let finish."""
@@ -315,3 +324,12 @@ def test_a_checkpoint_that_fails_to_load_stops_the_server(tmp_path, tiny_dir, lo
         entries = [json.loads(line) for line in done.stderr.splitlines() if line.strip()]
         assert entries[-1]["level"] == "ERROR"
         assert entries[-1]["message"].startswith("model 'h1' failed to load: ")
+
+
+def test_a_server_that_does_not_start_is_reported_with_its_output() -> None:
+    """Regression (a review): the error said "its output:" and nothing more, the log
+    already removed when it was read."""
+    failing = "import sys; print('no checkpoint here, said the server'); sys.exit(3)"
+    with pytest.raises(RuntimeError, match="did not start") as info:
+        ServerProcess([], launcher=["-c", failing], ready_timeout=30)
+    assert "no checkpoint here, said the server" in str(info.value)

@@ -395,6 +395,7 @@ def test_the_process_exits_without_close(tiny_checkpoint: Path) -> None:
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.skipif(sys.platform == "win32", reason="no SIGUSR1 on Windows")
 @pytest.mark.parametrize("call_name", ["predict", "predict_batch"])
 def test_close_in_a_signal_handler_does_not_wait_for_the_call_it_interrupted(
     tiny_model: ServerModel, call_name: str
@@ -442,6 +443,7 @@ def test_close_in_a_signal_handler_does_not_wait_for_the_call_it_interrupted(
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.skipif(sys.platform == "win32", reason="no SIGUSR1 on Windows")
 def test_a_pass_whose_sync_batch_call_was_interrupted_is_counted(tiny_model: ServerModel) -> None:
     """Regression (a trial): Ctrl-C in a sync ``predict_batch`` left its pass running on the
     device's thread, and the pass was never counted (``stats()`` read 2 batches for 3 run)."""

@@ -83,11 +83,14 @@ class OpenPath:
         process0 = time.process_time()
         sample = self.path.measure(self.bodies[:n], concurrency, mode)
         process_s = time.process_time() - process0
-        threads, server_s = thread_cpu_clocks(), self.path.external_cpu_s() - server0
+        threads, server1 = thread_cpu_clocks(), self.path.external_cpu_s()
+        # A server's CPU that cannot be read (no /proc) leaves the total unknown, not short.
+        server_s = None if server0 is None or server1 is None else server1 - server0
         server = server_s if self.path.external else None
         split = cpu_split(threads0, threads, process_s, server, self.path.loop_thread)
         sample = self.path.finish(sample)  # outside the clocks
-        return replace(sample, cpu_s=process_s + server_s, cpu_split_s=split)
+        cpu_s = None if server_s is None else process_s + server_s
+        return replace(sample, cpu_s=cpu_s, cpu_split_s=split)
 
     def close(self) -> None:
         self.path.close()

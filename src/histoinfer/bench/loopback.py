@@ -8,6 +8,7 @@ says why the path must be skipped, and the harness reports that instead of faili
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import re
@@ -96,20 +97,29 @@ class ServerProcess:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.command = [sys.executable, *launcher, "serve", *args]
         self.command += ["--host", "127.0.0.1", "--port", str(self.port)]
-        # Read by name, never through this handle: the child shares its file offset.
-        self._log = tempfile.NamedTemporaryFile(prefix="histoinfer-serve-", suffix=".log")  # noqa: SIM115 - lives as long as the server
-        self.proc = subprocess.Popen(
-            self.command,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env={**_without_serve_settings(os.environ), "PYTHONUNBUFFERED": "1", **(env or {})},
+        # Read by name, never through this handle: the child shares its file offset. Removed
+        # by close(), not on closing: Windows cannot open by name a file that deletes itself.
+        self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives as long as the server
+            prefix="histoinfer-serve-", suffix=".log", delete=False
         )
+        try:
+            self.proc = subprocess.Popen(
+                self.command,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                env={**_without_serve_settings(os.environ), "PYTHONUNBUFFERED": "1", **(env or {})},
+            )
+        except BaseException:
+            self._remove_log()
+            raise
         try:
             wait_ready(self.base_url, ready_timeout, alive=lambda: self.proc.poll() is None)
         except BaseException as exc:
+            self._stop()
+            output = self.output()  # read before close() removes it (it said nothing before)
             self.close()
             raise RuntimeError(
-                f"'histoinfer serve' did not start ({exc}); its output:\n{self.output()}"
+                f"'histoinfer serve' did not start ({exc}); its output:\n{output}"
             ) from None
 
     @classmethod
@@ -124,18 +134,19 @@ class ServerProcess:
     def output(self) -> str:
         """Everything the server has written so far (stdout and stderr)."""
         try:
-            return Path(self._log.name).read_text(errors="replace")
+            return Path(self._log.name).read_text(encoding="utf-8", errors="replace")
         except OSError:  # closed: the file is gone
             return ""
 
     def log_tail(self, chars: int = 600) -> str:
         return self.output()[-chars:].strip().replace("\n", " | ")
 
-    def cpu_s(self) -> float:
-        """CPU seconds the server process has used (user + system), from /proc; 0 if unknown."""
+    def cpu_s(self) -> float | None:
+        """CPU seconds the server process has used (user + system), from /proc; ``None`` where
+        that cannot be read (no /proc: Windows, macOS)."""
         return _proc_cpu_s(f"/proc/{self.proc.pid}/stat")
 
-    def main_thread_cpu_s(self) -> float:
+    def main_thread_cpu_s(self) -> float | None:
         """The same for the server's main thread alone (its event loop)."""
         return _proc_cpu_s(f"/proc/{self.proc.pid}/task/{self.proc.pid}/stat")
 
@@ -154,6 +165,10 @@ class ServerProcess:
 
     def close(self) -> None:
         """SIGTERM, up to 15 s to exit, then SIGKILL; remove the output file."""
+        self._stop()
+        self._remove_log()
+
+    def _stop(self) -> None:
         if self.proc.poll() is None:
             self.terminate()
             try:
@@ -161,7 +176,12 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=15)
+
+    def _remove_log(self) -> None:
         self._log.close()
+        # Windows refuses while another process holds the file open: left to the temp folder.
+        with contextlib.suppress(OSError):
+            os.unlink(self._log.name)
 
     def __enter__(self) -> ServerProcess:
         return self
@@ -173,12 +193,13 @@ class ServerProcess:
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)")
 
 
-def _proc_cpu_s(stat: str) -> float:
-    """User + system CPU seconds from a /proc ``stat`` file; 0 if unknown (not Linux, gone)."""
+def _proc_cpu_s(stat: str) -> float | None:
+    """User + system CPU seconds from a /proc ``stat`` file; ``None`` if unknown (not Linux,
+    gone): a 0 would read as a server that cost nothing."""
     try:
-        fields = Path(stat).read_text().rsplit(")", 1)[1].split()
+        fields = Path(stat).read_text(encoding="utf-8").rsplit(")", 1)[1].split()
     except (OSError, IndexError):
-        return 0.0
+        return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 

@@ -91,8 +91,9 @@ class BenchPath(ABC):
     def close(self) -> None:  # noqa: B027
         """Release it."""
 
-    def external_cpu_s(self) -> float:
-        """CPU seconds used so far by processes of this path other than ours (a server)."""
+    def external_cpu_s(self) -> float | None:
+        """CPU seconds used so far by processes of this path other than ours (a server);
+        ``None`` where they cannot be read."""
         return 0.0
 
     def get_ready(self, bodies: Sequence[str], concurrency: int, mode: Mode) -> None:  # noqa: B027
@@ -383,7 +384,7 @@ class HttpLoopback(BenchPath):
             self._portal_context.__exit__(None, None, None)
             self.server.close()
 
-    def external_cpu_s(self) -> float:
+    def external_cpu_s(self) -> float | None:
         return self.server.cpu_s()
 
     def get_ready(self, bodies: Sequence[str], concurrency: int, mode: Mode) -> None:

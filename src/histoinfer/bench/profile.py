@@ -251,7 +251,8 @@ def _line_steps(suffix: str) -> dict[int, str]:
     if suffix not in _LINE_STEPS:
         import histoinfer
 
-        source = Path(histoinfer.__file__).parent.joinpath(suffix).read_text().splitlines()
+        path = Path(histoinfer.__file__).parent / suffix
+        source = path.read_text(encoding="utf-8").splitlines()
         found: dict[int, str] = {}
         for number, text in enumerate(source, start=1):
             for pattern, step in _LINE_PATTERNS[suffix]:
@@ -324,7 +325,7 @@ def _read_collapsed(path: Path) -> Counter[tuple[str, ...]]:
     stacks: Counter[tuple[str, ...]] = Counter()
     if not path.exists():
         return stacks
-    for line in path.read_text().splitlines():
+    for line in path.read_text(encoding="utf-8").splitlines():
         stack, _, count = line.rpartition(" ")
         if stack:
             frames = tuple(

@@ -370,10 +370,10 @@ def write_outputs(report: dict[str, Any], out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     json_path = out_dir / "report.json"
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    json_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     written.append(json_path)
     md_path = out_dir / "report.md"
-    md_path.write_text(markdown(report))
+    md_path.write_text(markdown(report), encoding="utf-8")
     written.append(md_path)
     png_path = out_dir / "report.png"
     if plot(report, png_path):

@@ -176,7 +176,7 @@ def load_bodies(n: int, seed: int, workdir: Path, log: Log) -> list[str]:
     # Body i depends only on (seed, i): any cached set at least this large serves.
     for cached in sorted(workdir.glob(f"bodies-*-seed{seed}.json")):
         try:
-            bodies: list[str] = json.loads(cached.read_text())
+            bodies: list[str] = json.loads(cached.read_text(encoding="utf-8"))
         except ValueError:
             continue
         if len(bodies) >= n:
@@ -186,7 +186,7 @@ def load_bodies(n: int, seed: int, workdir: Path, log: Log) -> list[str]:
     bodies = make_bodies(n, seed=seed)
     workdir.mkdir(parents=True, exist_ok=True)
     partial = cache.with_suffix(".partial")
-    partial.write_text(json.dumps(bodies))
+    partial.write_text(json.dumps(bodies), encoding="utf-8")
     partial.replace(cache)
     return bodies
 
@@ -555,8 +555,8 @@ def _sweep_model(cfg: BenchConfig, size: str, log: Log, environment: dict[str, A
                         log(
                             f"[{size}] round {r + 1}/{rounds}{shown} c={level:<4} "
                             f"{name:<16} {sample.throughput:8.1f} tiles/s "
-                            f"{sample.cpu_ms_per_tile:6.2f} CPU ms/tile  "
-                            f"load {os.getloadavg()[0]:.1f}"
+                            f"{_cpu_said(sample.cpu_ms_per_tile)} CPU ms/tile  "
+                            f"load {_load_said()}"
                         )
     finally:
         for handle in handles.values():
@@ -577,6 +577,20 @@ def _sweep_model(cfg: BenchConfig, size: str, log: Log, environment: dict[str, A
                 )
     notes += suspect_rows(rows)
     return sweep
+
+
+def _cpu_said(ms_per_tile: float | None) -> str:
+    # None where a server's CPU cannot be read (no /proc): unknown, not 0.
+    return "   n/a" if ms_per_tile is None else f"{ms_per_tile:6.2f}"
+
+
+def _load_said() -> str:
+    """The 1-minute load average, for a progress line; "n/a" where there is none (Windows
+    has no os.getloadavg)."""
+    try:
+        return f"{os.getloadavg()[0]:.1f}"
+    except (AttributeError, OSError):  # OSError: the platform could not say
+        return "n/a"
 
 
 def suspect_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, str]]:

@@ -38,8 +38,10 @@ class InputBuffer:
         """``batch`` converted to float32 on ``device``, in a tensor of the pool on a CPU."""
         if device.type != "cpu" or batch.device.type != "cpu":
             # Contiguous on the device, whatever the layout it came in (a channels-last stack
-            # of decoded tiles: ServerModel.forward_tiles).
-            x = batch.to(device, non_blocking=True)
+            # of decoded tiles: ServerModel.forward_tiles). Asynchronous only to CUDA, whose
+            # stream orders the copy before the pass: on MPS such a copy can hold garbage
+            # (pytorch/pytorch#139550), and one to the CPU must be whole before it is read.
+            x = batch.to(device, non_blocking=device.type == "cuda")
             yield x.to(torch.float32, copy=True, memory_format=torch.contiguous_format)
             return
         with self.take(tuple(batch.shape)) as x:

@@ -11,6 +11,7 @@ import glob
 import json
 import os
 import shutil
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -136,7 +137,7 @@ def export_reference_h1(
     assets_path = out / ASSETS_FILE
     with _partial(assets_path) as partial:
         assets = reference_assets(size, dtype).model_dump()
-        partial.write_text(json.dumps(assets, indent=2) + "\n")
+        partial.write_text(json.dumps(assets, indent=2) + "\n", encoding="utf-8")
     return ReferenceExport(checkpoint, assets_path, aoti_path, time.perf_counter() - start)
 
 
@@ -189,6 +190,9 @@ def _remove_abandoned(final: Path) -> None:
 def _running(pid: str) -> bool:
     """Whether process ``pid`` runs here (a name that is no pid: as if it did, kept)."""
     if not pid.isdigit():
+        return True
+    if sys.platform == "win32":
+        # os.kill(pid, 0) there terminates the process: as if it ran, the folder is kept.
         return True
     try:
         os.kill(int(pid), 0)

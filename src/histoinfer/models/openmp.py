@@ -31,7 +31,8 @@ def _omp_set_num_threads() -> Callable[[int], None] | None:
     if not sys.platform.startswith("linux"):
         return None
     try:
-        with open("/proc/self/maps") as maps:
+        # Paths are bytes: surrogateescape gives them back to CDLL as they were (os.fsdecode's).
+        with open("/proc/self/maps", encoding="utf-8", errors="surrogateescape") as maps:
             paths = {
                 line.split()[-1]
                 for line in maps

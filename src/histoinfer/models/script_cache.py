@@ -27,7 +27,9 @@ checkpoint's: ~90 MB each for a ViT-S), and so are temporary files a killed writ
 The folder may also be deleted at any time.
 
 Where: ``$HISTOINFER_SCRIPT_CACHE`` if set (``off`` turns it off), else ``scripted/`` in the
-user's cache directory (``~/.cache/histoinfer`` on Linux).
+user's cache directory (platformdirs': ``~/.cache/histoinfer`` on Linux,
+``~/Library/Caches/histoinfer`` on macOS, ``%LOCALAPPDATA%\\histoinfer\\histoinfer\\Cache`` on
+Windows).
 """
 
 from __future__ import annotations
@@ -102,6 +104,11 @@ def _entry(sha256: str) -> Path | None:
 def _trusted(path: Path) -> bool:
     """Ours alone: owned by this user, writable by nobody else (where the OS says so)."""
     info = path.stat()
+    if os.name == "nt":
+        # Windows says nothing here: access is by ACL, st_uid is 0 and st_mode 0o666 for every
+        # writable file, so the checks below refused every entry. The default folder is in
+        # the user's own profile (%LOCALAPPDATA%), which other users cannot write.
+        return True
     if hasattr(os, "getuid") and info.st_uid != os.getuid():
         return False
     return not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)

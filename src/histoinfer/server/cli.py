@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import logging
 import math
 import signal
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from functools import partial
 from inspect import getattr_static
 from pathlib import Path
@@ -539,13 +540,24 @@ def _check_bindable(host: str, port: int) -> None:
     for family, kind, proto, _, address in found:  # one that binds is enough, as for servers
         try:
             with socket.socket(family, kind, proto) as probe:
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if (option := _probe_option()) is not None:
+                    probe.setsockopt(socket.SOL_SOCKET, option, 1)
                 probe.bind(address)
             return
         except OSError as exc:
             failure = exc
     why = (failure.strerror or str(failure)) if failure is not None else "no address"
     raise CommandError(f"cannot listen on {_authority(host, port)}: {why}")
+
+
+def _probe_option() -> int | None:
+    """The socket option ``_check_bindable`` binds with. SO_REUSEADDR, as the servers bind (a
+    port a stopped server left in TIME_WAIT is free to them), except on Windows: there it lets
+    a second socket bind a port in use, so the probe would pass; SO_EXCLUSIVEADDRUSE fails on
+    any socket already bound to the port."""
+    if sys.platform == "win32":
+        return getattr(socket, "SO_EXCLUSIVEADDRUSE", None)
+    return socket.SO_REUSEADDR
 
 
 #: connections the kernel queues for accept() (uvicorn's default; the kernel caps it at
@@ -582,8 +594,8 @@ def _run_hypercorn(app: Any, state: ServerState, args: argparse.Namespace) -> No
 
         async def on_signals(tg: anyio.abc.TaskGroup) -> None:
             hurry = anyio.Event()  # a second signal: drain now
-            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                async for sig in signals:
+            with contextlib.ExitStack() as stack:
+                async for sig in _receive_signals(stack, signal.SIGTERM, signal.SIGINT):
                     log.info(_signal_said(sig, state, args))
                     if state.stopping:
                         hurry.set()
@@ -609,3 +621,40 @@ def _run_hypercorn(app: Any, state: ServerState, args: argparse.Namespace) -> No
             tg.start_soon(serving, tg)
 
     anyio.run(main, backend=args.backend)
+
+
+def _receive_signals(stack: contextlib.ExitStack, *signums: signal.Signals) -> AsyncIterator[int]:
+    """anyio's signal receiver, entered on ``stack``; where the event loop cannot watch signals
+    (asyncio on Windows has no add_signal_handler: NotImplementedError), ``_handled_signals``."""
+    try:
+        return stack.enter_context(anyio.open_signal_receiver(*signums))
+    except NotImplementedError:
+        return stack.enter_context(_handled_signals(*signums))
+
+
+@contextlib.contextmanager
+def _handled_signals(*signums: signal.Signals) -> Iterator[AsyncIterator[int]]:
+    """The signals as Python's own handlers get them (Windows delivers SIGINT, Ctrl+C, and
+    SIGTERM so), each handed over to the asyncio loop; the previous handlers are put back."""
+    loop = asyncio.get_running_loop()
+    send, receive = anyio.create_memory_object_stream[int](math.inf)
+
+    def put(signum: int) -> None:
+        with contextlib.suppress(anyio.ClosedResourceError):  # came as the watch ended
+            send.send_nowait(signum)
+
+    def deliver(signum: int, frame: FrameType | None) -> None:
+        # Runs on the loop's thread, between two bytecodes of whatever it ran: the loop takes
+        # it from here (call_soon_threadsafe also wakes it, as asyncio's Ctrl+C handler does).
+        loop.call_soon_threadsafe(put, signum)
+
+    previous: dict[signal.Signals, Any] = {}
+    try:
+        for signum in signums:
+            previous[signum] = signal.signal(signum, deliver)
+        yield receive
+    finally:
+        for signum, handler in previous.items():  # None: one not set from Python
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+        send.close()
+        receive.close()
