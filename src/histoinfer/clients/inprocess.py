@@ -543,14 +543,14 @@ def _close_loop_states(loops: PerLoop[_LoopState]) -> None:
 class InProcessClient(ClosingContext, Client):
     """Runs a :class:`ServerModel` in this process; implements the whole ``Client`` protocol.
 
-    Args:
+    Args (every one after ``server_model`` keyword-only):
         server_model: a loaded model (see :func:`~histoinfer.build_server_model`).
         max_batch_size: most tiles per forward pass (dynamic batching and ``*_batch`` chunks).
         max_wait_ms: longest a queued tile waits for company before its batch is dispatched.
         dynamic_batching: batch concurrent ``*_async`` calls (default); if False, async calls
             run at batch size 1 and batching is the caller's, through ``*_batch``.
 
-    Tuning (keyword-only):
+    Tuning:
         max_queue: most requests admitted per loop and mode (preparing, queued or running).
             In-process callers wait for room; ``overload="reject"`` raises
             :class:`~histoinfer.errors.OverloadedError` instead (the server answers 503).

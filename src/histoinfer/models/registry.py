@@ -50,10 +50,10 @@ class ModelEntryPointError(UnknownModelError):
 def register_model(key: str) -> Callable[[M], M]:
     """Class decorator: make ``build_server_model(key, ...)`` build this class.
 
-    ``key`` must be a non-empty ``str`` without ``/`` or whitespace (it is also the model's
-    default route name); the class must subclass :class:`ServerModel`, and its ``modes`` be a
-    non-empty tuple (or list) of known modes. Anything else is refused here, with a
-    ``TypeError`` or a ``ValueError``, not later at every lookup or load.
+    ``key`` must be a non-empty ``str`` without ``/``, whitespace or control characters (it
+    is also the model's default route name); the class must subclass :class:`ServerModel`,
+    and its ``modes`` be a non-empty tuple (or list) of known modes. Anything else is refused
+    here, with a ``TypeError`` or a ``ValueError``, not later at every lookup or load.
     """
     _check_key(key)
 
