@@ -14,7 +14,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from histoinfer.clients.inprocess import InProcessClient
-from histoinfer.models import ServerModel, build_server_model
+from histoinfer.models import ServerModel, build_server_model, registry
 from histoinfer.models.h1 import export_reference_h1
 from histoinfer.models.script_cache import CACHE_ENV
 
@@ -95,3 +95,19 @@ def _histoinfer_log_level() -> Iterator[None]:
     level = logger.level
     yield
     logger.setLevel(level)
+
+
+@pytest.fixture
+def private_registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A test registers into a copy of the model registry, and the ``usermodels_*`` modules it
+    imports (``--import``) are forgotten after it."""
+    registry.available_models()  # the built-ins in, before the copy
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.setattr(registry, "_SHADOWS_CHECKED", set())
+    monkeypatch.setattr(registry, "_FROM_ENTRY_POINTS", set())
+    monkeypatch.setattr(sys, "path", list(sys.path))  # --import may add the current directory
+    before = set(sys.modules)
+    yield
+    for name in set(sys.modules) - before:
+        if name.startswith("usermodels_"):
+            del sys.modules[name]

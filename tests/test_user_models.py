@@ -10,7 +10,6 @@ import socket
 import sys
 import textwrap
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,22 +26,7 @@ from histoinfer.models import (
 )
 from histoinfer.models.h1 import H1ServerModel
 
-pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(autouse=True)
-def private_registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Each test registers into a copy of the registry, and what it imports is forgotten."""
-    registry.available_models()  # the built-ins in, before the copy
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
-    monkeypatch.setattr(registry, "_SHADOWS_CHECKED", set())
-    monkeypatch.setattr(registry, "_FROM_ENTRY_POINTS", set())
-    monkeypatch.setattr(sys, "path", list(sys.path))  # --import may add the current directory
-    before = set(sys.modules)
-    yield
-    for name in set(sys.modules) - before:
-        if name.startswith("usermodels_"):
-            del sys.modules[name]
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("private_registry")]
 
 
 def one_line_error(code: int, err: str, *fragments: str) -> str:

@@ -22,6 +22,7 @@ from ..schema import Mode, parse_request
 from .isolation import Unavailable
 from .latency import LoneLatency
 from .measure import Expected, Sample, cpu_split, thread_cpu_clocks
+from .own import import_user_modules
 from .paths import PATHS, BenchContext, BenchPath, make_paths
 from .peers import Pipeline
 from .runner import PathSpec, load_bodies
@@ -99,8 +100,9 @@ class OpenPath:
 def open_path(spec: PathSpec) -> OpenPath:
     """Build the model, bodies and path of ``spec`` (in the process that will measure it)."""
     needs_model = spec.name not in PATHS or PATHS[spec.name].needs_model
-    model = build_server_model("h1", spec.checkpoint) if needs_model else None
-    bodies = load_bodies(spec.bodies, spec.seed, Path(spec.workdir), _silent)
+    import_user_modules(spec.imports)  # a model of the user's own: its module registers it
+    model = build_server_model(spec.model_key, spec.checkpoint) if needs_model else None
+    bodies = load_bodies(spec.bodies, spec.seed, Path(spec.workdir), _silent, spec.tile_size)
     ctx = BenchContext(
         spec.size,
         model,
@@ -108,6 +110,8 @@ def open_path(spec: PathSpec) -> OpenPath:
         spec.max_batch_size,
         spec.max_wait_ms,
         [],
+        model_key=spec.model_key,
+        imports=spec.imports,
     )
     [path] = make_paths([spec.name], ctx)
     if path.needs_tiles:
@@ -122,10 +126,19 @@ def open_path(spec: PathSpec) -> OpenPath:
     return OpenPath(path, bodies)
 
 
-def open_lone(checkpoint: str, bodies: int, seed: int, workdir: str) -> LoneLatency:
+def open_lone(
+    checkpoint: str,
+    bodies: int,
+    seed: int,
+    workdir: str,
+    model_key: str = "h1",
+    imports: Sequence[str] = (),
+    tile_size: int = 224,
+) -> LoneLatency:
     """The lone-latency measurer, built in the process that will measure one variant."""
-    model = build_server_model("h1", checkpoint)
-    loaded = load_bodies(bodies, seed, Path(workdir), _silent)
+    import_user_modules(imports)
+    model = build_server_model(model_key, checkpoint)
+    loaded = load_bodies(bodies, seed, Path(workdir), _silent, tile_size)
     lone = LoneLatency(model, loaded, prepare_tiles(model, loaded))
     lone.info.update(environment=torch_environment(), program_runner=_runs_as(model))
     return lone

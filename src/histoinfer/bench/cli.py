@@ -15,9 +15,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from ..cli import CommandError, add_import_option
 from ..schema import MODES
 
-__all__ = ["configure", "main", "run"]
+__all__ = ["UsageError", "configure", "main", "run"]
 
 SUITES = ("throughput", "overhead", "latency", "profile")
 
@@ -69,6 +70,10 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(v.strip() for v in text.split(",") if v.strip())
 
 
+class UsageError(ValueError):
+    """Options that make no sense together: one line, exit status 2 (as argparse's)."""
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add ``histoinfer bench``'s options to its subparser."""
     # Names only: importing the paths or the models would load torch (~5 s) for --help too.
@@ -95,6 +100,25 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also run the small (ViT-S) model: slower; ignored when --models is given",
     )
+    parser.add_argument(
+        "--checkpoint",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="measure a model of your own instead of the reference sizes: its .pt2, with "
+        "model.json beside it, as 'histoinfer serve --checkpoint' takes it; bodies at its tile "
+        "size, only the modes it serves, targets not evaluated (not with --models, --small, "
+        "--dtype)",
+    )
+    parser.add_argument(
+        "--model-key",
+        default=None,
+        metavar="KEY",
+        help="with --checkpoint: the registry key of its model class (default: h1)",
+    )
+    add_import_option(parser)  # serve's --import, said as serve says it, and where it applies
+    [imports] = [action for action in parser._actions if action.dest == "imports"]
+    imports.help = f"{imports.help}; with --checkpoint, imported in every bench process too"
     parser.add_argument(
         "--models",
         type=_names,
@@ -176,18 +200,48 @@ def _canonical_command(args: argparse.Namespace, prog: str = "histoinfer bench")
         option = action.option_strings[-1]
         if isinstance(action, argparse._StoreTrueAction):
             words.append(option)
+        elif isinstance(value, list):  # a repeated option (--import)
+            words += [f"{option}={v}" for v in value]
         else:
             shown = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
             words.append(f"{option}={shown}")
     return shlex.join(words)
 
 
+def _refuse_combinations(args: argparse.Namespace) -> None:
+    """Options that make no sense together (UsageError), before anything is loaded."""
+    given = getattr(args, "checkpoint", None) is not None
+    if not given:
+        for option, value in (("--model-key", args.model_key), ("--import", args.imports)):
+            if value is not None:
+                raise UsageError(f"{option} goes with --checkpoint (a model of your own)")
+        return
+    clashes = [
+        ("--models", args.models is not None, "the reference sizes"),
+        ("--small", args.small, "a reference size"),
+        ("--dtype", args.dtype is not None, "precision belongs to the checkpoint"),
+        ("--suites profile", "profile" in (args.suites or ()), "it profiles the tiny model"),
+    ]
+    for option, clash, why in clashes:
+        if clash:
+            raise UsageError(f"--checkpoint cannot go with {option} ({why})")
+
+
 def config_from_args(args: argparse.Namespace) -> Any:
+    from .own import OwnModel
     from .runner import BenchConfig, quick_config
 
+    _refuse_combinations(args)
     cfg = quick_config() if args.quick else BenchConfig()
     changes: dict[str, Any] = {}
-    if args.models is not None:
+    if args.checkpoint is not None:
+        own = OwnModel(str(args.checkpoint), args.model_key or "h1", tuple(args.imports or ()))
+        changes["own"] = own
+        changes["models"] = (own.label,)
+    elif args.models is not None:
+        unknown_models = [m for m in args.models if m not in ("tiny", "small")]
+        if unknown_models:
+            raise ValueError(f"unknown model sizes: {', '.join(unknown_models)} (tiny, small)")
         changes["models"] = args.models
     elif args.small:
         changes["models"] = ("tiny", "small")
@@ -210,9 +264,6 @@ def config_from_args(args: argparse.Namespace) -> Any:
         changes["workdir"] = str(args.workdir)
     if args.shared_process:
         changes["isolate"] = False
-    unknown_models = [m for m in changes.get("models", ()) if m not in ("tiny", "small")]
-    if unknown_models:
-        raise ValueError(f"unknown model sizes: {', '.join(unknown_models)} (tiny, small)")
     return replace(cfg, **changes)
 
 
@@ -222,10 +273,16 @@ def run(args: argparse.Namespace) -> int:
     # (a trial); the command then names the extra that installs it.
     import matplotlib  # noqa: F401
 
+    from .own import resolve_own
     from .report import write_outputs
     from .runner import run_bench, verdict
 
-    cfg = config_from_args(args)
+    prog = getattr(args, "_prog", "histoinfer bench")
+    try:
+        cfg = config_from_args(args)
+    except UsageError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
 
     started = time.monotonic()
 
@@ -233,7 +290,9 @@ def run(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(f"{time.monotonic() - started:6.1f}s {line}", file=sys.stderr, flush=True)
 
-    command = _canonical_command(args, getattr(args, "_prog", "histoinfer bench"))
+    # An own checkpoint, loaded once here: what is wrong with it is said before any child starts.
+    cfg = resolve_own(cfg, args.modes is not None, log)
+    command = _canonical_command(args, prog)
     report = run_bench(cfg, log, command)
     for path in write_outputs(report, args.out):
         print(f"wrote {path}")
@@ -291,4 +350,8 @@ def main(
     args = parser.parse_args([*defaults, *user])
     args._prog = prog
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    return run(args)
+    try:
+        return run(args)
+    except CommandError as exc:  # an own checkpoint's (histoinfer.cli says it for the command)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 1

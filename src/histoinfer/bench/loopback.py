@@ -124,10 +124,18 @@ class ServerProcess:
 
     @classmethod
     def for_checkpoint(
-        cls, checkpoint: Path, *, max_batch_size: int, max_wait_ms: float, model: str = "h1"
+        cls,
+        checkpoint: Path,
+        *,
+        max_batch_size: int,
+        max_wait_ms: float,
+        model: str = "h1",
+        imports: Sequence[str] = (),
     ) -> ServerProcess:
-        """One model from one checkpoint, with the batching settings under test."""
+        """One model from one checkpoint, with the batching settings under test; ``imports``
+        are ``serve --import``'s modules (those that register ``model``)."""
         args = ["--model", model, "--checkpoint", str(checkpoint)]
+        args += [word for name in imports for word in ("--import", name)]
         args += ["--max-batch-size", str(max_batch_size), "--max-wait-ms", str(max_wait_ms)]
         return cls(args)
 

@@ -55,6 +55,9 @@ class BenchContext:
     tiles: list[torch.Tensor]
     #: by mode and body index, what some bodies' responses must hold (``OpenPath.reference``)
     expected: dict[str, dict[int, Expected]] = field(default_factory=dict)
+    #: the registry key the model is built by, and the modules that register it (``--import``)
+    model_key: str = "h1"
+    imports: tuple[str, ...] = ()
 
     @property
     def server_model(self) -> ServerModel:
@@ -349,7 +352,6 @@ class HttpLoopback(BenchPath):
 
     name = "http"
     label = "HTTP loopback (histoinfer serve + HttpClient)"
-    model: ClassVar[str] = "h1"
     needs_model = False  # the server loads it; the client only sends bodies
 
     def unavailable(self) -> str | None:
@@ -360,7 +362,8 @@ class HttpLoopback(BenchPath):
             self.ctx.checkpoint,
             max_batch_size=self.ctx.max_batch_size,
             max_wait_ms=self.ctx.max_wait_ms,
-            model=self.model,
+            model=self.ctx.model_key,
+            imports=self.ctx.imports,
         )
         self.note = f"client: histoinfer.HttpClient; server: {' '.join(self.server.command[1:])}"
         self._counters: dict[str, float] = {}  # the server's, before a measurement
@@ -369,7 +372,7 @@ class HttpLoopback(BenchPath):
         self._portal_context = anyio.from_thread.start_blocking_portal("asyncio")
         try:
             self._portal = self._portal_context.__enter__()
-            self._client = _http_client(self.server.base_url, self.model)
+            self._client = _http_client(self.server.base_url, self.ctx.model_key)
             # The client's event loop is the path's "main" thread (bench/measure.py, cpu_split).
             self.loop_thread = self._portal.call(threading.get_native_id)
         except BaseException:

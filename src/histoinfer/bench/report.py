@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from .names import PATH_DESCRIPTIONS
+from .own import describe
 from .runner import verdict
 
 __all__ = ["markdown", "write_outputs"]
@@ -218,8 +219,10 @@ def markdown(report: dict[str, Any]) -> str:
             else ""
         ),
         "",
-        "The reference checkpoints have seeded, untrained weights: the real architecture, file "
-        "format and costs, but outputs that mean nothing biologically.",
+        describe(cfg["own"])
+        if cfg.get("own")
+        else "The reference checkpoints have seeded, untrained weights: the real architecture, "
+        "file format and costs, but outputs that mean nothing biologically.",
         "",
     ]
     for failure in report.get("failed", []):
@@ -286,7 +289,13 @@ def markdown(report: dict[str, Any]) -> str:
             "## Targets",
             "",
             "Bounds the project set itself, in its issues 3 and 5 (docs/benchmarks.md, "
-            "'Targets', says what each means and why some are out of reach on a small CPU).",
+            "'Targets', says what each means and why some are out of reach on a small CPU)."
+            + (
+                " They are set for the reference models: an own checkpoint's ratios are "
+                "reported beside them, not evaluated."
+                if any(c.get("not_evaluated") for c in checks)
+                else ""
+            ),
             "",
             *_checks_table(checks),
         ]
@@ -353,7 +362,8 @@ def plot(report: dict[str, Any], path: Path) -> bool:
             (ax_lat, "p95 latency", "ms"),
         ):
             ax.set_xscale("log", base=2)
-            ax.set_title(f"h1 {model}: {title}")
+            # a reference size is h1's; an own checkpoint's label says what it is
+            ax.set_title(f"{'h1 ' if model in ('tiny', 'small') else ''}{model}: {title}")
             ax.set_xlabel("requests in flight" + burst)
             ax.set_ylabel(unit)
             ax.grid(True, which="both", alpha=0.3)

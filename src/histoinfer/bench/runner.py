@@ -29,6 +29,7 @@ from .isolation import Isolated, Local
 from .measure import CPU_ROLES, Sample, p50_ms, percentile
 from .names import LONE_VARIANTS, PATH_NAMES
 from .overhead import OVERHEAD_VARIANTS, OverheadConfig, measure_overhead
+from .own import NOT_EVALUATED, OwnModel
 
 if TYPE_CHECKING:  # this process never imports torch (the children do)
     from ..models.base import ServerModel
@@ -84,6 +85,27 @@ class BenchConfig:
     quick: bool = False
     #: each path (and lone-latency variant) in a process of its own (bench/isolation.py says why)
     isolate: bool = True
+    #: ``--checkpoint``: a model of the user's own, measured instead of the reference sizes
+    #: (``models`` is then its label alone)
+    own: OwnModel | None = None
+
+    def is_own(self, model: str) -> bool:
+        """Whether ``model`` (a row's) is the user's own checkpoint."""
+        return self.own is not None and model == self.own.label
+
+    def tile_size(self, model: str) -> int:
+        """The side of ``model``'s tiles, in pixels: the request bodies are built at it."""
+        return self.own.tile_size if self.own is not None and self.is_own(model) else 224
+
+    def not_evaluated(self, model: str) -> str:
+        """Why ``model``'s targets are not evaluated ("": they are)."""
+        return NOT_EVALUATED if self.is_own(model) else ""
+
+    def checks_responses(self, model: str) -> bool:
+        """Whether ``model``'s responses are checked against each tile run alone."""
+        if self.own is not None and self.is_own(model):
+            return self.own.checked
+        return self.dtype == "float32"
 
     def modes_of(self, model: str) -> tuple[Mode, ...]:
         """The modes swept on ``model``; its targets are read on the first."""
@@ -143,6 +165,13 @@ def quick_config(**overrides: Any) -> BenchConfig:
 # -- setup ---------------------------------------------------------------------------------------
 
 
+def checkpoint_of(cfg: BenchConfig, model: str, log: Log) -> Path:
+    """``model``'s checkpoint: the user's own, or a reference size's (exported once)."""
+    if cfg.own is not None and cfg.is_own(model):
+        return Path(cfg.own.checkpoint)
+    return ensure_checkpoint(model, Path(cfg.workdir), log, cfg.dtype)
+
+
 def ensure_checkpoint(size: str, workdir: Path, log: Log, dtype: str = "float32") -> Path:
     out = workdir / (f"h1-{size}" if dtype == "float32" else f"h1-{size}-{dtype}")
     checkpoint = out / "model.pt2"
@@ -172,18 +201,20 @@ def tiny_script(doc: str, bodies: int) -> tuple[argparse.Namespace, ServerModel,
     return args, model, load_bodies(bodies, 0, args.workdir, print)
 
 
-def load_bodies(n: int, seed: int, workdir: Path, log: Log) -> list[str]:
-    # Body i depends only on (seed, i): any cached set at least this large serves.
-    for cached in sorted(workdir.glob(f"bodies-*-seed{seed}.json")):
+def load_bodies(n: int, seed: int, workdir: Path, log: Log, size: int = 224) -> list[str]:
+    """``n`` request bodies of tiles ``size`` pixels a side, cached in ``workdir``."""
+    # Body i depends only on (seed, size, i): any cached set at least this large serves.
+    suffix = f"-seed{seed}.json" if size == 224 else f"-seed{seed}-{size}px.json"
+    for cached in sorted(workdir.glob(f"bodies-*{suffix}")):
         try:
             bodies: list[str] = json.loads(cached.read_text(encoding="utf-8"))
         except ValueError:
             continue
         if len(bodies) >= n:
             return bodies[:n]
-    cache = workdir / f"bodies-{n}-seed{seed}.json"
-    log(f"building {n} request bodies (seeded H&E-like 224x224 PNG tiles) ...")
-    bodies = make_bodies(n, seed=seed)
+    cache = workdir / f"bodies-{n}{suffix}"
+    log(f"building {n} request bodies (seeded H&E-like {size}x{size} PNG tiles) ...")
+    bodies = make_bodies(n, seed=seed, size=size)
     workdir.mkdir(parents=True, exist_ok=True)
     partial = cache.with_suffix(".partial")
     partial.write_text(json.dumps(bodies), encoding="utf-8")
@@ -281,13 +312,17 @@ class Check:
     higher_is_better: bool
     per_round: list[float]
     detail: str = ""
+    #: why the bound is not evaluated ("": it is): an own checkpoint's (``NOT_EVALUATED``)
+    not_evaluated: str = ""
 
     def _meets(self, value: float) -> bool:
         return value >= self.target if self.higher_is_better else value <= self.target
 
     @property
     def met(self) -> bool | None:
-        return None if self.value is None else self._meets(self.value)
+        if self.value is None or self.not_evaluated:
+            return None
+        return self._meets(self.value)
 
     @property
     def rounds_met(self) -> int:
@@ -298,7 +333,7 @@ class Check:
     def decided(self) -> bool | None:
         """Whether enough rounds all fell on the same side of the bound (``None``: not
         measured)."""
-        if self.value is None or not self.per_round:
+        if self.value is None or not self.per_round or self.not_evaluated:
             return None
         agree = self.rounds_met in (0, len(self.per_round))
         enough = len(self.per_round) >= DECIDING_ROUNDS
@@ -317,6 +352,8 @@ class Check:
 def verdict(check: dict[str, Any]) -> str:
     """A check's result in words, from ``Check.as_dict``: what the median says, in how many
     rounds the bound was met, and whether that decides it."""
+    if check.get("not_evaluated"):
+        return f"not evaluated ({check['not_evaluated']})"
     if check["met"] is None:
         return "not measured"
     head = "met" if check["met"] else "not met"
@@ -367,16 +404,22 @@ def throughput_checks(samples: Samples, cfg: BenchConfig) -> list[Check]:
         detail = f"{model} model, {mode}, {cfg.describe_level(model, level)}"
         if not rounds:
             detail += f" (not measured: {num} or {den} missing)"
-        checks.append(Check(name, issue, _median(rounds), target, True, rounds, detail))
+        unevaluated = cfg.not_evaluated(model)
+        checks.append(
+            Check(name, issue, _median(rounds), target, True, rounds, detail, unevaluated)
+        )
 
-    if "tiny" in cfg.models and cfg.levels:
-        top = max(cfg.levels)
-        ratio("dynamic / explicit loop", "3", "tiny", "dynamic-asyncio", "explicit", top, 1.0)
-        ratio("dynamic / explicit loop", "5", "tiny", "dynamic-asyncio", "explicit", top, 1.3)
-        ratio("dynamic / async-batcher", "5", "tiny", "dynamic-asyncio", "async-batcher", top, 1.3)
-        ratio("trio / asyncio (dynamic)", "3", "tiny", "dynamic-trio", "dynamic-asyncio", top, 0.9)
-        ratio("trio / asyncio (dynamic)", "5", "tiny", "dynamic-trio", "dynamic-asyncio", top, 0.95)
-        ratio("in-process / HTTP loopback", "5", "tiny", "dynamic-asyncio", "http", top, 3.0)
+    # The tiny model's targets; an own checkpoint's ratios beside the same bounds, which are
+    # not evaluated on it (Check.not_evaluated).
+    first = next((m for m in cfg.models if m == "tiny" or cfg.is_own(m)), None)
+    if first is not None and cfg.levels:
+        model, top = first, max(cfg.levels)
+        ratio("dynamic / explicit loop", "3", model, "dynamic-asyncio", "explicit", top, 1.0)
+        ratio("dynamic / explicit loop", "5", model, "dynamic-asyncio", "explicit", top, 1.3)
+        ratio("dynamic / async-batcher", "5", model, "dynamic-asyncio", "async-batcher", top, 1.3)
+        ratio("trio / asyncio (dynamic)", "3", model, "dynamic-trio", "dynamic-asyncio", top, 0.9)
+        ratio("trio / asyncio (dynamic)", "5", model, "dynamic-trio", "dynamic-asyncio", top, 0.95)
+        ratio("in-process / HTTP loopback", "5", model, "dynamic-asyncio", "http", top, 3.0)
     if "small" in cfg.models and cfg.small_levels and "dynamic-asyncio" in cfg.paths:
         top = max(cfg.small_levels)
         ratio("dynamic / explicit loop", "5", "small", "dynamic-asyncio", "explicit", top, 1.05)
@@ -414,12 +457,25 @@ class PathSpec:
     workdir: str
     max_batch_size: int
     max_wait_ms: float
+    #: the registry key its model is built by, and the modules that register it
+    model_key: str = "h1"
+    imports: tuple[str, ...] = ()
+    #: the side of the bodies' tiles, in pixels (the model's own)
+    tile_size: int = 224
 
 
 #: the factories a bench child process builds its object with (bench/children.py), named so that
 #: this process never imports torch
 OPEN_PATH = "histoinfer.bench.children:open_path"
 OPEN_LONE = "histoinfer.bench.children:open_lone"
+
+
+def _builder(cfg: BenchConfig, model: str) -> tuple[str, tuple[str, ...], int]:
+    """How a child builds ``model`` and its bodies: the registry key, the modules to import
+    first (``--import``), and the tiles' size (``PathSpec``'s and ``open_lone``'s last)."""
+    if cfg.own is not None and cfg.is_own(model):
+        return cfg.own.model_key, cfg.own.imports, cfg.own.tile_size
+    return "h1", (), 224
 
 
 def _start(cfg: BenchConfig, factory: str, *args: Any) -> Isolated | Local:
@@ -496,9 +552,10 @@ def _sweep_model(cfg: BenchConfig, size: str, log: Log, environment: dict[str, A
     levels = cfg.small_levels if small else cfg.levels
     modes = cfg.modes_of(size)
     rounds = min(cfg.rounds, cfg.small_rounds) if small else cfg.rounds
-    checkpoint = ensure_checkpoint(size, workdir, log, cfg.dtype)
+    checkpoint = checkpoint_of(cfg, size, log)
     n = max(cfg.tiles_at(size, level) for level in levels)
-    load_bodies(n, cfg.seed, workdir, log)  # built once, cached for the processes below
+    # built once, cached for the processes below
+    load_bodies(n, cfg.seed, workdir, log, cfg.tile_size(size))
     specs = [
         PathSpec(
             size,
@@ -509,6 +566,7 @@ def _sweep_model(cfg: BenchConfig, size: str, log: Log, environment: dict[str, A
             str(workdir),
             cfg.max_batch_size,
             cfg.max_wait_ms,
+            *_builder(cfg, size),
         )
         for name in names
     ]
@@ -537,7 +595,7 @@ def _sweep_model(cfg: BenchConfig, size: str, log: Log, environment: dict[str, A
                 notes.append({"model": size, "path": spec.name, "note": handle.info["note"]})
         log(f"[{size}] {len(paths)} paths started, each in a process of its own")
         _note_environment(environment, size, [handle for _, handle in paths])
-        _expect_references(cfg, n, modes, [handle for _, handle in paths])
+        _expect_references(cfg, size, n, modes, [handle for _, handle in paths])
         warm = min(n, 2 * cfg.max_batch_size)
         for _, handle in paths:  # warm thread pools, kernels and connections; discarded
             handle.call("measure", warm, max(levels), modes[0])
@@ -652,6 +710,7 @@ def reference_indices(bodies: int) -> list[int]:
 
 def _expect_references(
     cfg: BenchConfig,
+    model: str,
     bodies: int,
     modes: Sequence[Mode],
     handles: Sequence[Isolated | Local],
@@ -659,9 +718,10 @@ def _expect_references(
     """Have every path check that its responses carry their own tiles' numbers (rows crossed
     inside a batch keep their ``patch_idx``), against each tile run alone in one of them. In
     float32 only: in bfloat16 one rounding step of the tiny model's predictions (~4e-3) is
-    about as far as two of the bench's tiles are apart (~7e-3)."""
+    about as far as two of the bench's tiles are apart (~7e-3); nor where an own model's
+    outputs vary by design (``BenchConfig.checks_responses``)."""
     referee = next((h for h in handles if h.info.get("has_model")), None)
-    if cfg.dtype != "float32" or referee is None:
+    if not cfg.checks_responses(model) or referee is None:
         return
     indices = reference_indices(bodies)
     expected = {mode: referee.call("reference", indices, mode) for mode in modes}
@@ -787,13 +847,14 @@ def _latency_model(
     variants = cfg.lone_variants
     rows: list[dict[str, Any]] = []
     checks: list[Check] = []
-    checkpoint = ensure_checkpoint(size, workdir, log, cfg.dtype)
+    checkpoint = checkpoint_of(cfg, size, log)
     n = max(cfg.tiles_at(size, 1), 16)
-    load_bodies(n, cfg.seed, workdir, log)  # built once, cached for the processes below
+    # built once, cached for the processes below
+    load_bodies(n, cfg.seed, workdir, log, cfg.tile_size(size))
     calls = cfg.lone_calls if size != "small" else max(cfg.lone_calls // 3, 10)
+    opened = (str(checkpoint), n, cfg.seed, str(workdir), *_builder(cfg, size))
     processes = {
-        key: _start(cfg, OPEN_LONE, str(checkpoint), n, cfg.seed, str(workdir))
-        for key in dict.fromkeys(map(_lone_process, variants))
+        key: _start(cfg, OPEN_LONE, *opened) for key in dict.fromkeys(map(_lone_process, variants))
     }
     started = {v: processes[_lone_process(v)] for v in variants}
     per: dict[str, list[float]] = {v: [] for v in variants}  # p50 ms by round
@@ -863,6 +924,7 @@ def _latency_model(
                 False,
                 rounds,
                 detail,
+                cfg.not_evaluated(size),
             )
         )
     return rows, checks
