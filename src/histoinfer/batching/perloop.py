@@ -84,7 +84,10 @@ async def wait_future(future: Future[R], *, start_by: float | None = None) -> R:
         except BaseException:
             future.cancel()  # not started: it never will (a running one completes unseen)
             raise
-    return future.result()
+    try:
+        return future.result()
+    finally:
+        del future  # it holds its error, whose traceback holds this frame (histoinfer/outcome.py)
 
 
 #: what forked children's PerLoops forgot (see :meth:`PerLoop.forget_after_fork`)

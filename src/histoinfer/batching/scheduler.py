@@ -58,6 +58,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from ..arguments import check_count, check_seconds
 from ..errors import ClientClosedError, DeadlineExceededError, InferenceError, ThreadAbortedError
+from ..outcome import run_sync
 from .admission import Admission, deadline_exceeded, deadline_from
 from .perloop import call_soon_in_loop, current_loop_key, wait_future
 from .stats import BatchStats
@@ -440,10 +441,16 @@ class BatchScheduler(Generic[T, R]):
             raise
         finally:
             self._waiting.discard(pending)
-        if pending.error is not None:
+        error, pending.error = pending.error, None
+        if error is not None:
             if reservation is not None:
                 reservation.refused = pending.refused
-            raise pending.error
+            try:
+                raise error
+            finally:
+                # Its traceback holds this frame: a frame that held the error too would be a
+                # cycle, the request's memory kept until the collector's next full pass.
+                del error, pending
         return pending.result  # type: ignore[return-value]
 
     def _why_still_queued(self) -> str:
@@ -689,9 +696,8 @@ class BatchScheduler(Generic[T, R]):
             if self._thread is not None:
                 results = await wait_future(self._thread(partial(self._call, pendings, handoff)))
             else:
-                results = await anyio.to_thread.run_sync(
-                    self._call, pendings, handoff, limiter=self._limiter
-                )
+                # errors raised without a reference cycle (histoinfer/outcome.py)
+                results = await run_sync(self._call, pendings, handoff, limiter=self._limiter)
         except BaseException as exc:
             if handoff is not None:  # whether or not the thread got to it
                 handoff.fire()
@@ -754,9 +760,12 @@ class BatchScheduler(Generic[T, R]):
             # SystemExit, a user's BaseException...: bisected like any failure, not taken by
             # the loop for its own cancellation (which would fail every caller of the batch).
             contained = ThreadAbortedError.contain(exc, f"{self.name}: the batch function")
-            if contained is exc:
-                raise
-            raise contained from exc
+            try:
+                if contained is exc:
+                    raise
+                raise contained from exc
+            finally:
+                del contained  # this frame is in its traceback: no cycle (histoinfer/outcome.py)
         finally:
             # Timed here, on its thread: from the loop, the time would include the hand-offs
             # and the loop's wake-up, and under load its wait for the thread.

@@ -45,7 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal, TypedDict, TypeVar, Unpack
+from typing import Any, Literal, TypedDict, TypeVar, Unpack, cast
 
 import anyio
 import anyio.from_thread
@@ -78,6 +78,7 @@ from ..models.base import SampleOutput, ServerModel, non_finite_error
 from ..models.device_thread import device_thread
 from ..models.openmp import thread_count
 from ..models.registry import build_server_model
+from ..outcome import run_sync, without_tracebacks
 from ..protocol import Client, documented_as_client
 from ..schema import BatchingSettings, Mode, ModelRequest, locate, parse_request
 from .cores import CoreShare
@@ -316,7 +317,7 @@ def _prepare_lone(model: ServerModel, body: str | bytes, mode: Mode) -> Decoded 
             return _TooBigHere()
         return request, model.prepared_tile(request, where)
     except InferenceError as exc:
-        return exc
+        return without_tracebacks(exc)  # a returned refusal: see outcome.py
 
 
 def _check_settings(
@@ -365,7 +366,7 @@ def _prepare_or_refusal(
     try:
         return _prepare(model, body, mode, position)
     except InferenceError as exc:
-        return exc
+        return without_tracebacks(exc)  # a returned refusal: see outcome.py
 
 
 def _decode_chunk(
@@ -791,7 +792,7 @@ class InProcessClient(ClosingContext, Client):
             # cancelled: anyio's cancellation (a fail_after, Ctrl-C on trio) waited out the
             # pass under way, seconds on a ViT, where asyncio's own returned at once (a user
             # trial); the thread sees its caller gone at its next check either way.
-            result = await anyio.to_thread.run_sync(
+            result: list[str] | None = await run_sync(  # errors raised without a cycle
                 call.run,
                 partial(self._infer_batch, bodies, mode),
                 limiter=anyio.CapacityLimiter(1),
@@ -943,14 +944,14 @@ class InProcessClient(ClosingContext, Client):
         remaining = _remaining(start_by)
         self._check_not_expired(mode, remaining)
         with anyio.move_on_after(remaining) as waited:
-            [decoded] = await anyio.to_thread.run_sync(
+            decoded = await anyio.to_thread.run_sync(
                 _decode_chunk, self.server_model, self._cores, [(body, mode)], limiter=limiter
             )
         if waited.cancelled_caught:
             raise self._deadline_exceeded(mode, "it was still waiting to be decoded")
-        if isinstance(decoded, InferenceError):
-            raise decoded
-        return await self._forward_unbatched(_Job(*decoded), mode, limiter, start_by)
+        if isinstance(decoded[0], InferenceError):
+            raise cast(InferenceError, decoded.pop())  # held by no frame of its traceback
+        return await self._forward_unbatched(_Job(*decoded[0]), mode, limiter, start_by)
 
     async def _forward_unbatched(
         self, job: _Job, mode: Mode, limiter: anyio.CapacityLimiter, start_by: float | None
@@ -972,7 +973,7 @@ class InProcessClient(ClosingContext, Client):
             self.device_lock,
         )
         try:
-            [result], ran_s = await wait_future(future, start_by=start_by)
+            results, ran_s = await wait_future(future, start_by=start_by)
         except anyio.get_cancelled_exc_class():
             if future.cancelled():  # left before its pass started, as a dynamic call counts it
                 self._stats[mode].record_cancelled()
@@ -984,10 +985,12 @@ class InProcessClient(ClosingContext, Client):
                 raise self._deadline_exceeded(mode, "the device was busy with other work") from None
             self._stats[mode].record_error(type(exc).__name__)
             raise _execution_error(self.server_model, job.request, exc) from exc
-        if isinstance(result, (InferenceError, _TooBigHere)):
-            raise result  # a lone body refused: nothing ran
+        finally:
+            del future  # it holds the error, whose traceback holds this frame (outcome.py)
+        if isinstance(results[0], (InferenceError, _TooBigHere)):
+            raise results.pop()  # a lone body refused, nothing ran; held by no frame of its own
         self._stats[mode].record_batch(1, (), ran_s)
-        return job, result
+        return job, results[0]
 
     def _check_not_expired(self, mode: Mode, remaining: float | None) -> None:
         """A deadline passed before the call waited for anything here is said to have (as the

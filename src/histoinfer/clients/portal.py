@@ -121,6 +121,7 @@ class PortalThread:
         finally:
             with self._lock:
                 self._unanswered.discard(answer)
+            del answer  # its error's traceback holds this frame: no cycle (see _answer)
 
     def _start(
         self,
@@ -164,6 +165,9 @@ async def _answer(
         raise
     except BaseException as exc:  # delivered, not raised: see above
         _fail(answer, exc)
+        # The error's traceback holds this frame, which must not hold the error: a cycle would
+        # keep the call's memory (its body, its tile) until the collector's next full pass.
+        del answer, args
     else:
         if not answer.done():
             answer.set_result(result)

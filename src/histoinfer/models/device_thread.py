@@ -124,6 +124,7 @@ class DeviceThread:
                 result = fn(*args)
         except BaseException as exc:  # the future carries it to the caller; the thread lives on
             future.set_exception(ThreadAbortedError.contain(exc, f"a job on thread {self.name!r}"))
+            del future  # the error's traceback holds this frame: no cycle (histoinfer/outcome.py)
         else:
             future.set_result(result)
 

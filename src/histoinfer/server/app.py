@@ -49,6 +49,7 @@ from ..errors import (
 )
 from ..models.base import ServerModel
 from ..models.device_thread import device_thread
+from ..outcome import run_sync
 from ..schema import (
     FOREIGN_KEY,
     INVOCATION_MODES,
@@ -624,7 +625,8 @@ async def _on_thread_until_out_of_time(
             done.set()
 
     try:
-        return await anyio.to_thread.run_sync(on_thread, abandon_on_cancel=True)
+        # errors raised without a reference cycle (histoinfer/outcome.py)
+        return await run_sync(on_thread, abandon_on_cancel=True)
     except BaseException:
         with lock:
             left.set()
