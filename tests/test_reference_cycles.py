@@ -10,6 +10,9 @@ Each test fails a call one way and asserts that the collector finds none of our 
 from __future__ import annotations
 
 import gc
+import logging
+import time
+import traceback
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,7 +30,7 @@ from helpers import make_body, serving
 import histoinfer
 from histoinfer.batching import BatchScheduler
 from histoinfer.clients.inprocess import InProcessClient
-from histoinfer.errors import InferenceError
+from histoinfer.errors import InferenceError, ModelExecutionError
 from histoinfer.models import ServerModel
 from histoinfer.server.app import create_app
 
@@ -38,13 +41,18 @@ OURS = str(Path(histoinfer.__file__).parent)
 
 @contextmanager
 def cyclic_frames() -> Iterator[list[str]]:
-    """Frames of histoinfer's code that the block left in cyclic garbage, named."""
+    """Frames of histoinfer's code that the block left in cyclic garbage, named. No log
+    records are made meanwhile: pytest keeps them, and a record of a warning whose arguments
+    hold an error (the scheduler's "bisecting") would keep a cycle reachable, and hide it."""
     gc.collect()
     gc.set_debug(gc.DEBUG_SAVEALL)
     found: list[str] = []
+    was_disabled = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
     try:
         yield found
     finally:
+        logging.disable(was_disabled)
         gc.collect()
         found += [
             f"{o.f_code.co_name} ({Path(o.f_code.co_filename).name})"
@@ -131,15 +139,22 @@ def _raise_on_poison(batch: torch.Tensor) -> None:
         raise RuntimeError("the device choked on a poisoned tile")
 
 
-@pytest.mark.anyio
-async def test_a_failed_forward_pass_leaves_no_cycle(tiny_model: ServerModel) -> None:
+def _poisoned_body() -> str:
     from test_dynamic_client import _png_b64
 
+    return make_body(3, image_data=_png_b64(np.full((224, 224, 3), _POISON, dtype=np.uint8)))
+
+
+@pytest.mark.anyio
+async def test_a_failed_forward_pass_leaves_no_cycle(tiny_model: ServerModel) -> None:
     model, _ = hooked_model(tiny_model, _raise_on_poison)
-    poisoned = make_body(3, image_data=_png_b64(np.full((224, 224, 3), _POISON, dtype=np.uint8)))
+    poisoned = _poisoned_body()
     async with InProcessClient(model, max_batch_size=8) as client:
         with anyio.fail_after(60):
             found = await _twice(lambda: client.predict_async(poisoned), "ModelExecutionError")
+            found_in_call = await _twice(
+                lambda: client.predict_batch_async([GOOD, poisoned]), "ModelExecutionError"
+            )
 
             async def alongside() -> list[str]:  # bisected out of a batch of others
                 errors: list[str] = []
@@ -157,7 +172,93 @@ async def test_a_failed_forward_pass_leaves_no_cycle(tiny_model: ServerModel) ->
                 errors = await alongside()
     assert sorted(errors) == ["ModelExecutionError"] + ["none"] * 7
     assert not found, "\n".join(found)
+    assert not found_in_call, "\n".join(found_in_call)
     assert not found_in_batch, "\n".join(found_in_batch)
+
+
+@pytest.mark.anyio
+async def test_a_caller_that_leaves_during_its_failing_pass_leaves_no_cycle(
+    tiny_model: ServerModel,
+) -> None:
+    def slow_poison(batch: torch.Tensor) -> None:
+        time.sleep(0.2)
+        _raise_on_poison(batch)
+
+    model, _ = hooked_model(tiny_model, slow_poison)
+    poisoned = _poisoned_body()
+    async with InProcessClient(model, max_batch_size=8) as client:
+
+        async def leave_mid_pass() -> None:
+            async def one() -> None:
+                with anyio.move_on_after(0.1):
+                    await _error_of(client.predict_async(poisoned))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(one)
+                tg.start_soon(one)
+            await anyio.sleep(0.8)  # the passes fail, for nobody
+
+        with anyio.fail_after(60):
+            await leave_mid_pass()
+            with cyclic_frames() as found:
+                await leave_mid_pass()
+    assert not found, found
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_batch_call_leaves_no_cycle(tiny_model: ServerModel) -> None:
+    model, _ = hooked_model(tiny_model, lambda batch: time.sleep(0.2))
+    async with InProcessClient(model, max_batch_size=1) as client:
+
+        async def cancel_mid_call() -> None:
+            with anyio.move_on_after(0.05):
+                await client.predict_batch_async([make_body(i) for i in range(3)])
+            await anyio.sleep(0.8)  # its thread stops at its next pass, for nobody
+
+        with anyio.fail_after(60):
+            await cancel_mid_call()
+            with cyclic_frames() as found:
+                await cancel_mid_call()
+    assert not found, found
+
+
+@pytest.mark.anyio
+async def test_a_sync_call_refused_in_a_worker_thread_leaves_no_cycle(
+    tiny_model: ServerModel,
+) -> None:
+    # What a sync endpoint of a FastAPI app does: the call runs in the host's loop.
+    async with InProcessClient(tiny_model) as client:
+
+        def both() -> list[str]:
+            single = _sync_error_of(lambda: client.predict(WRONG_SIZE))
+            return [single, _sync_error_of(lambda: client.predict_batch([GOOD, WRONG_SIZE]))]
+
+        with anyio.fail_after(60):
+            await anyio.to_thread.run_sync(both)
+            with cyclic_frames() as found:
+                errors = await anyio.to_thread.run_sync(both)
+    assert errors == ["InvalidRequestError"] * 2
+    assert not found, found
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "explicit"])
+async def test_a_bug_in_prepare_sample_keeps_its_traceback(
+    tiny_model: ServerModel, tiny_checkpoint: Path, dynamic: bool
+) -> None:
+    # A refusal returned as a batch result drops its tracebacks (a cycle otherwise); where
+    # the model's own code failed, where it failed is kept, as a note.
+    class Buggy(type(tiny_model)):  # type: ignore[misc]
+        def prepare_sample(self, request: Any, where: str | None = None) -> Any:
+            return {}["the user's bug"]
+
+    model = Buggy.from_files(tiny_checkpoint, device="cpu")
+    async with InProcessClient(model, dynamic_batching=dynamic) as client:
+        for call in (client.predict_async(GOOD), client.predict_batch_async([GOOD, GOOD])):
+            with anyio.fail_after(60), pytest.raises(ModelExecutionError) as caught:
+                await call
+            shown = "".join(traceback.format_exception(caught.value))
+            assert "in prepare_sample" in shown and "the user's bug" in shown
 
 
 def test_a_refused_sync_call_leaves_no_cycle(tiny_model: ServerModel) -> None:
@@ -234,6 +335,25 @@ HTTP_CLIENT_REFUSALS = {
     "batch with a bad body": ("h1", lambda c: c.predict_batch_async([GOOD, WRONG_SIZE])),
     "unknown model": ("nope", lambda c: c.predict_async(GOOD)),
 }
+
+
+def _unreachable(request: httpx.Request) -> httpx.Response:
+    raise httpx.ConnectError("connection refused", request=request)
+
+
+@pytest.mark.anyio
+async def test_an_http_client_call_that_cannot_connect_leaves_no_cycle() -> None:
+    from histoinfer import HttpClient
+
+    transport = httpx.MockTransport(_unreachable)
+    async with HttpClient("http://down", transport=transport, retries=0) as client:
+        with anyio.fail_after(60):
+            found = await _twice(lambda: client.predict_async(GOOD), "InferenceError")
+            found_in_batch = await _twice(
+                lambda: client.predict_batch_async([GOOD, GOOD]), "InferenceError"
+            )
+    assert not found, found
+    assert not found_in_batch, found_in_batch
 
 
 @pytest.mark.anyio

@@ -13,7 +13,8 @@ value instead, and raises it from a frame that lets go of it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import weakref
+from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
 import anyio
@@ -27,17 +28,39 @@ T = TypeVar("T")
 class Outcome(Generic[T]):
     """What ``fn(*args)`` returned or raised, captured on one thread, raised on another."""
 
-    __slots__ = ("_error", "_result")
+    __slots__ = ("__weakref__", "_error", "_result")
 
     def __init__(self) -> None:
         self._result: T | None = None
         self._error: BaseException | None = None
 
-    def capture(self, fn: Callable[..., T], *args: object) -> None:
+    @staticmethod
+    def capture(into: weakref.ref[Outcome[T]], fn: Callable[..., T], *args: object) -> None:
+        """``fn(*args)``'s outcome, kept in ``into()`` if its caller still holds it. Only
+        weakly: the worker thread's frames (trio's wrap this call in a closure) are in the
+        error's traceback, and would hold it in a cycle once the caller has left
+        (``abandon_on_cancel``), when nobody unwraps it."""
         try:
-            self._result = fn(*args)
+            result = fn(*args)
         except BaseException as exc:  # raised by unwrap(), in the caller's task
+            outcome = into()
+            if outcome is not None:
+                outcome._error = exc
+            del outcome  # this frame is in the error's traceback
+            return
+        outcome = into()
+        if outcome is not None:
+            outcome._result = result
+
+    async def capture_async(self, fn: Callable[..., Awaitable[T]], *args: object) -> Outcome[T]:
+        """``await fn(*args)``, an ``Exception`` kept (cancellation goes on), for another
+        thread to unwrap past the frames that carry it there (``anyio.from_thread.run``'s holds
+        its future). It must be unwrapped: until then, its error's traceback holds it."""
+        try:
+            self._result = await fn(*args)
+        except Exception as exc:
             self._error = exc
+        return self
 
     def unwrap(self) -> T:
         """The result (None if nothing was captured), or the error raised; either is let go."""
@@ -60,7 +83,12 @@ async def run_sync(
     """``anyio.to_thread.run_sync(fn, *args)``, its error raised without a cycle (above)."""
     outcome: Outcome[T] = Outcome()
     await anyio.to_thread.run_sync(
-        outcome.capture, fn, *args, limiter=limiter, abandon_on_cancel=abandon_on_cancel
+        Outcome.capture,
+        weakref.ref(outcome),
+        fn,
+        *args,
+        limiter=limiter,
+        abandon_on_cancel=abandon_on_cancel,
     )
     return outcome.unwrap()
 

@@ -115,6 +115,7 @@ class _Pending(Generic[T, R]):
         "enqueued_at",
         "error",
         "item",
+        "left",
         "refused",
         "result",
         "started",
@@ -127,6 +128,7 @@ class _Pending(Generic[T, R]):
         self.deadline = deadline
         self.state = _QUEUED
         self.refused = False  # the batch function returned an exception as its result
+        self.left = False  # its caller left: nobody will read its outcome
         self.started = False  # the batch function had it once (a bisected half may rerun it)
         self.done = anyio.Event()
         self.result: R | None = None
@@ -134,6 +136,8 @@ class _Pending(Generic[T, R]):
 
     def resolve(self, result: R | None = None, error: BaseException | None = None) -> None:
         # Never raises: setting an event nobody waits on any more is harmless (ray#41057).
+        if self.left:  # an error kept for nobody: a cycle through its batch's frames
+            result, error = None, None
         self.result, self.error, self.state = result, error, _DONE
         self.done.set()
 
@@ -432,6 +436,7 @@ class BatchScheduler(Generic[T, R]):
                     raise self._deadline_exceeded("its batch was still waiting for its thread")
                 await pending.done.wait()  # started in time: it runs to completion
         except BaseException:
+            pending.left = True
             # Cancelled before its batch started: leave, and it never runs.
             if pending.state == _QUEUED:
                 self._abandon(pending)

@@ -477,7 +477,10 @@ class HttpClient(ClosingContext, Client):
                     "the answer was dropped"
                 )
                 error.request_id = response.headers.get("x-request-id")
-                raise error
+                try:
+                    raise error
+                finally:
+                    del error  # this frame is in its traceback (histoinfer/outcome.py)
             return
         if checkpoint is None or checkpoint in self._answered_by:
             return
@@ -867,7 +870,10 @@ class _Attempt:
                 f"({type(exc).__name__}{': ' + said if said else ''})"
             )
             error.retryable = isinstance(exc, (*_RETRY_ERRORS, httpx.TimeoutException))
-            raise error from exc
+            try:
+                raise error from exc
+            finally:
+                del error  # this frame is in its traceback (histoinfer/outcome.py)
         return self._next(None)
 
     def answered(self, response: httpx.Response) -> float | None:
@@ -1161,7 +1167,10 @@ class _Batch:
         )
         error.request_id = response.headers.get("x-request-id")
         self.shift(error, start, stop)
-        raise error
+        try:
+            raise error
+        finally:
+            del error  # this frame is in its traceback (histoinfer/outcome.py)
 
     def refused(self, start: int, stop: int) -> Callable[[httpx.Response], InferenceError]:
         """The error for a refusal of the request of ``bodies[start:stop]``: a 413 of several

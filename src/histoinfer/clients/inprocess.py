@@ -38,6 +38,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 import weakref
 from collections import defaultdict, deque
 from collections.abc import Callable, Coroutine, Iterator
@@ -78,7 +79,7 @@ from ..models.base import SampleOutput, ServerModel, non_finite_error
 from ..models.device_thread import device_thread
 from ..models.openmp import thread_count
 from ..models.registry import build_server_model
-from ..outcome import run_sync, without_tracebacks
+from ..outcome import Outcome, run_sync, without_tracebacks
 from ..protocol import Client, documented_as_client
 from ..schema import BatchingSettings, Mode, ModelRequest, locate, parse_request
 from .cores import CoreShare
@@ -317,7 +318,7 @@ def _prepare_lone(model: ServerModel, body: str | bytes, mode: Mode) -> Decoded 
             return _TooBigHere()
         return request, model.prepared_tile(request, where)
     except InferenceError as exc:
-        return without_tracebacks(exc)  # a returned refusal: see outcome.py
+        return _returned(exc)
 
 
 def _check_settings(
@@ -366,7 +367,19 @@ def _prepare_or_refusal(
     try:
         return _prepare(model, body, mode, position)
     except InferenceError as exc:
-        return without_tracebacks(exc)  # a returned refusal: see outcome.py
+        return _returned(exc)
+
+
+def _returned(refusal: InferenceError) -> InferenceError:
+    """``refusal``, to be returned as a batch result, its tracebacks dropped: they would hold
+    the frames that return it, a cycle (histoinfer/outcome.py). Where the model's own code
+    failed (a ``prepare_sample`` of the user's), the traceback of what it raised is kept as a
+    note, printed with the error: where the bug is."""
+    cause = refusal.__cause__
+    if isinstance(refusal, ModelExecutionError) and cause is not None:
+        where = "".join(traceback.format_exception(cause)).rstrip()
+        refusal.add_note(f"raised in the model's code:\n{where}")
+    return without_tracebacks(refusal)
 
 
 def _decode_chunk(
@@ -1140,7 +1153,10 @@ class InProcessClient(ClosingContext, Client):
         if problems:
             error = ModelExecutionError("; and ".join(problems))
             error.positions = sorted([*failing, *non_finite])
-            raise error
+            try:
+                raise error
+            finally:
+                del error  # this frame is in its traceback (histoinfer/outcome.py)
         return [output for output in outputs if output is not None]
 
     def _forward_bisecting(
@@ -1187,9 +1203,11 @@ class InProcessClient(ClosingContext, Client):
         if getattr(_anyio_threadlocals, "current_token", None) is not None:
             # In an anyio worker thread: run in the host loop, and batch with it.
             try:
-                return anyio.from_thread.run(_in_host_loop, fn, body)
+                outcome = anyio.from_thread.run(_in_host_loop, fn, body)
             except _RunFinished:
                 pass  # a thread its host abandoned, whose loop has ended: as any other thread
+            else:
+                return outcome.unwrap()
         # Any other thread (a plain thread, or one whose loop is running, like a notebook
         # cell): the client's own portal. Sync calls from many threads batch together there.
         portal = self._get_portal()
@@ -1237,7 +1255,7 @@ class InProcessClient(ClosingContext, Client):
             decoder.shutdown(wait=False)
 
 
-async def _in_host_loop(fn: Callable[[str], Coroutine[Any, Any, T]], body: str) -> T:
+async def _in_host_loop(fn: Callable[[str], Coroutine[Any, Any, T]], body: str) -> Outcome[T]:
     """Run a sync call from an anyio worker thread in the host loop, cancellable as it should be.
 
     anyio 4.16's asyncio backend adds the ``from_thread.run`` task to the host's cancel scope but
@@ -1249,7 +1267,9 @@ async def _in_host_loop(fn: Callable[[str], Coroutine[Any, Any, T]], body: str) 
     with anyio.CancelScope():
         pass
     await anyio.lowlevel.checkpoint()
-    return await fn(body)
+    # an error comes back as a value: raised through from_thread.run, it would be held by
+    # anyio's frame that holds its future, a cycle (histoinfer/outcome.py)
+    return await Outcome[T]().capture_async(fn, body)
 
 
 #: the longest ``close()`` waits for the portal's thread to end (its calls are done by then)

@@ -517,9 +517,12 @@ async def read_body(request: Request, limit: int, arrival: Arrival | None = None
     # reserved by the header: bytes count as they arrive, or a client declaring 64 MiB and
     # sending nothing would pin that much of the room (a review).
     if arrival is not None and declared.isdigit() and not arrival.fits(int(declared)):
-        refusal = arrival.no_room(int(declared))
+        refusal = arrival.no_room(int(declared))  # its figures before the body is drained
         await refuse_unread(request, arrival)
-        raise refusal
+        try:
+            raise refusal
+        finally:
+            del refusal  # this frame is in its traceback (histoinfer/outcome.py)
     chunks: list[bytes] = []
     size = 0
     stream = request.stream()
@@ -533,7 +536,10 @@ async def read_body(request: Request, limit: int, arrival: Arrival | None = None
         if arrival is not None and not arrival.hold(len(chunk)):
             refusal = arrival.no_room(len(chunk))
             await _discard(request, stream, size, arrival)
-            raise refusal
+            try:
+                raise refusal
+            finally:
+                del refusal  # this frame is in its traceback (histoinfer/outcome.py)
         chunks.append(chunk)
         if arrival is not None:  # the timeout runs between chunks: a slow link is no stall
             arrival.reading_since = time.monotonic()
@@ -679,7 +685,10 @@ async def _watched(
             failure = exc
         tg.cancel_scope.cancel()  # the watch
     if failure is not None:
-        raise failure
+        try:
+            raise failure
+        finally:
+            del failure  # this frame is in its traceback (histoinfer/outcome.py)
     return respond(answer)
 
 
