@@ -869,6 +869,12 @@ def test_responses_must_carry_their_own_tiles_numbers() -> None:
     nan = [json.dumps({"patch_idx": 0, "output": [float("nan"), -0.25]})]
     with pytest.raises(RuntimeError, match="not its tile's: nan away"):
         check_responses(nan, "path", expected)
+    # A model whose outputs are in the thousands (bench --checkpoint): to its scale.
+    large = {0: {"output": [3700.0, -12.5]}}
+    summed_otherwise = [json.dumps({"patch_idx": 0, "output": [3700.02, -12.5]})]
+    check_responses(summed_otherwise, "path", large)  # 5e-6 of its largest
+    with pytest.raises(RuntimeError, match="not its tile's: 1 away"):
+        check_responses([json.dumps({"patch_idx": 0, "output": [3701.0, -12.5]})], "path", large)
     # Which bodies are checked: both ends, and a spread between (every batch, every shard).
     assert reference_indices(8) == list(range(8))
     picked = reference_indices(512)

@@ -245,6 +245,20 @@ def test_a_missing_checkpoint_is_named(
     assert line == f"histoinfer: error: --checkpoint {missing}: no such file"
 
 
+def test_a_bench_script_names_a_bad_checkpoint_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # benchmarks/*.py run the bench's own main(): the same line as histoinfer bench's.
+    from histoinfer.bench.cli import main as script_main
+
+    bad = tmp_path / "model.pt2"
+    bad.write_bytes(b"not a program")
+    argv = [f"--checkpoint={bad}", "--suites=throughput", "--quiet"]
+    assert script_main(argv, prog="throughput.py") == 1
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith("throughput.py: error: ") and str(bad) in line, line
+
+
 def test_a_folder_for_a_checkpoint_names_the_file_in_it(
     own: Path, nothing_runs: None, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cli import CommandError, add_import_option
+from ..errors import InferenceError
 from ..schema import MODES
 
 __all__ = ["UsageError", "configure", "main", "run"]
@@ -352,6 +353,9 @@ def main(
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return run(args)
-    except CommandError as exc:  # an own checkpoint's (histoinfer.cli says it for the command)
+    except (CommandError, InferenceError, OSError, ValueError) as exc:
+        # What histoinfer's own main says in a line (an own checkpoint's refusals among them)
+        if getattr(args, "debug", False):
+            raise
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 1
