@@ -186,7 +186,7 @@ def test_the_commands_that_take_a_registry_key_take_import(argv: list[str]) -> N
     assert parser.parse_args(argv).imports is None
 
 
-@pytest.mark.parametrize("argv", [["export", "h1", "--out", "x"], ["demo"], ["bench", "--quick"]])
+@pytest.mark.parametrize("argv", [["export", "h1", "--out", "x"], ["demo"]])
 def test_the_reference_model_commands_do_not_take_import(
     argv: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -194,6 +194,12 @@ def test_the_reference_model_commands_do_not_take_import(
     with pytest.raises(SystemExit) as info:
         main([*argv, "--import", "mine"])
     assert info.value.code == 2 and "--import" in capsys.readouterr().err
+
+
+def test_bench_takes_import_only_with_a_checkpoint(capsys: pytest.CaptureFixture[str]) -> None:
+    # Its reference sizes are h1's; a model of one's own (--checkpoint) may need a module.
+    assert main(["bench", "--quick", "--import", "mine"]) == 2
+    assert "--import goes with --checkpoint" in capsys.readouterr().err
 
 
 def test_an_unknown_key_says_how_to_use_a_model_of_ones_own(
