@@ -355,7 +355,5 @@ def main(
         return run(args)
     except (CommandError, InferenceError, OSError, ValueError) as exc:
         # What histoinfer's own main says in a line (an own checkpoint's refusals among them)
-        if getattr(args, "debug", False):
-            raise
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 1
