@@ -161,11 +161,34 @@ def test_a_program_that_answers_a_channels_last_batch_otherwise_keeps_contiguous
 ) -> None:
     model = _AnswersOtherwise.from_files(tiny_checkpoint)
     assert model.batch_layout == (
-        "contiguous (the program's outputs differ on a channels-last batch of 2)"
+        "contiguous (the program's outputs differ on a channels-last batch of 2, by 1e-06 of "
+        "their scale; channels_last_tolerance allows 0)"
     )
     seen = batches_seen(model, monkeypatch)
     model.forward_tiles(decoded(model, 2), "predict")
     assert seen[0].is_contiguous()
+
+
+class _Tolerant(_AnswersOtherwise):
+    channels_last_tolerance = 1e-5
+
+
+class _TooFar(_AnswersOtherwise):
+    channels_last_tolerance = 1e-7
+
+
+def test_a_tolerance_takes_channels_last_batches_that_answer_a_hair_off(
+    tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A CNN's kernels sum in another order on channels-last batches: its owner may accept that.
+    model = _Tolerant.from_files(tiny_checkpoint)
+    assert model.batch_layout == CHANNELS_LAST
+    seen = batches_seen(model, monkeypatch)
+    model.forward_tiles(decoded(model, 2), "predict")
+    assert seen[0].is_contiguous(memory_format=torch.channels_last)
+    assert _TooFar.from_files(tiny_checkpoint).batch_layout.startswith(
+        "contiguous (the program's outputs differ on a channels-last batch of 2, by 1e-06"
+    )
 
 
 def test_channels_last_batches_can_be_turned_off(

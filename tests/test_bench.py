@@ -789,6 +789,11 @@ def test_a_disturbed_round_is_flagged_and_decides_nothing() -> None:
     assert "round 3 (95.0 tiles/s) more than 3x faster" in notes["bs1-asyncio"]
     assert "the median, were slowed by the machine" in notes["bs1-asyncio"]
     assert "above the raw forward pass's 100.0" in notes["dynamic-asyncio"]
+    # A model whose smaller batches cost less a tile: the note says what to try (a user trial).
+    rows[0]["mean_batch_size"], rows[2]["mean_batch_size"] = 64.0, 25.6
+    [note] = [n["note"] for n in suspect_rows(rows) if n["path"] == "dynamic-asyncio"]
+    assert "(mean batch 25.6 against raw's 64.0)" in note
+    assert "a smaller --max-batch-size serves it faster" in note
 
 
 @pytest.mark.parametrize(

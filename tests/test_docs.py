@@ -249,6 +249,12 @@ assert json.loads(client.metadata())["embedding_size"] == 0
 client.close()
 """,
     ),
+    ("docs/checkpoints.md", "channels_last_tolerance = 1e-5"): Context(
+        after="""
+from histoinfer.models.registry import model_class
+assert model_class("my-cnn") is MyCnn and MyCnn.channels_last_tolerance == 1e-5
+""",
+    ),
     ("docs/checkpoints.md", "class MyTileModel"): Context(
         before=A_BODY + YOUR_MODEL, after=YOUR_MODEL_ANSWERS
     ),

@@ -654,7 +654,8 @@ def _load_said() -> str:
 def suspect_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
     """Notes on rows a reader should not take at face value: a round ``DISTURBED`` times off
     the row's median, and a path that read faster than the raw forward pass at its level
-    (the limit by construction: only noise puts a path above it)."""
+    (the limit where a pass costs as much a tile at any batch size: noise, or a model whose
+    smaller batches are cheaper a tile, which a smaller ``--max-batch-size`` would serve)."""
     notes = []
     raw = {(r["model"], r["mode"], r["concurrency"]): r for r in rows if r["path"] == "raw"}
     for row in rows:
@@ -684,13 +685,20 @@ def suspect_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
             )
         limit = raw.get((model, row["mode"], row["concurrency"]))
         if limit is not None and name != "raw" and row["throughput"] > limit["throughput"]:
+            batches = [r.get("mean_batch_size") for r in (row, limit)]
+            sizes = (
+                f" (mean batch {batches[0]:.1f} against raw's {batches[1]:.1f})"
+                if None not in batches
+                else ""
+            )
             notes.append(
                 {
                     "model": model,
                     "path": name,
                     "note": f"{where}: {row['throughput']:.1f} tiles/s, above the raw forward "
-                    f"pass's {limit['throughput']:.1f}, which is the limit by construction: "
-                    "the difference is noise",
+                    f"pass's {limit['throughput']:.1f}{sizes}: noise, or this model's passes "
+                    "cost less a tile in smaller batches (then a smaller --max-batch-size "
+                    "serves it faster)",
                 }
             )
     return notes

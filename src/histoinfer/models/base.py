@@ -52,6 +52,20 @@ __all__ = [
 CHANNELS_LAST = "channels-last"
 
 
+def _apart(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
+    """How far apart two outputs are, relative to ``a``'s largest value (or 1, if smaller): 0
+    for bitwise-equal ones (NaN where ``a`` has one), infinite for ones that cannot compare."""
+    if a is None or b is None:
+        return 0.0 if a is b else math.inf
+    if bitwise_equal(a, b):
+        return 0.0
+    if a.shape != b.shape or not a.is_floating_point() or not b.is_floating_point():
+        return math.inf
+    a64, b64 = a.double(), b.double()
+    scale = max(1.0, float(a64.abs().max())) if a64.numel() else 1.0
+    return float((a64 - b64).abs().max()) / scale
+
+
 def hwc_view(tile: torch.Tensor) -> torch.Tensor | None:
     """A ``[3, H, W]`` tile's pixels as a contiguous ``[H, W, 3]`` view, if its memory is laid
     out so (as decoded tiles are: models/imaging.py); else None."""
@@ -213,6 +227,12 @@ class ServerModel:
     #: it is only if the program returns exactly what it returns on a contiguous batch on the
     #: load-time probe. Set it to False to always pass contiguous batches.
     channels_last_batches: ClassVar[bool] = True
+    #: How far a channels-last batch's outputs may be from a contiguous batch's, relative to
+    #: each output's largest value (or 1, if smaller), for that layout to be used; 0: exactly
+    #: equal. A convolutional network's CPU kernels sum in another order on channels-last
+    #: batches (~1e-8 apart), which keeps it on contiguous ones; set e.g. 1e-5 to accept that
+    #: for the layout's speed (a user's CNN ran 1.5-1.7x as fast: docs/checkpoints.md).
+    channels_last_tolerance: ClassVar[float] = 0.0
     #: Whether a tile's answer is the same each time, and whatever tiles share its batch: the
     #: load-time probe checks it, refusing a module exported in training mode (dropout on,
     #: batch statistics). Set it to False in a subclass whose answers are random by design
@@ -681,11 +701,13 @@ class ServerModel:
                 except Exception as exc:
                     why = f"fails on a channels-last batch of {n}: {first_line(exc)}"
                     return f"contiguous (the program {why})"
-            if not all(
-                a is b is None or (a is not None and b is not None and bitwise_equal(a, b))
-                for a, b in zip(want, got, strict=True)
-            ):
-                return f"contiguous (the program's outputs differ on a channels-last batch of {n})"
+            apart = max(_apart(a, b) for a, b in zip(want, got, strict=True))
+            if not apart <= self.channels_last_tolerance:  # NaN too
+                return (
+                    f"contiguous (the program's outputs differ on a channels-last batch of {n}, "
+                    f"by {apart:.2g} of their scale; channels_last_tolerance allows "
+                    f"{self.channels_last_tolerance:g})"
+                )
             compared += 1
         return CHANNELS_LAST if compared else "contiguous (the program took no probe batch)"
 
