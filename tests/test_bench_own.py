@@ -313,3 +313,13 @@ def test_a_predict_only_checkpoint_sweeps_predict_alone(own: Path) -> None:
             explicit_modes=True,
             log=lambda _: None,
         )
+
+
+def test_rows_are_labelled_by_the_models_name_or_its_key(own: Path) -> None:
+    # Three checkpoints of one's own under the default key all read "own:h1" (a user trial).
+    assets = own.parent / "model.json"
+    assets.write_text(json.dumps({**json.loads(assets.read_text()), "name": "mycnn"}))
+    cfg = BenchConfig(models=("own:h1",), own=OwnModel(str(own)))
+    resolved = resolve_own(cfg, explicit_modes=False, log=lambda _: None)
+    assert resolved.models == ("own:mycnn",) and resolved.is_own("own:mycnn")
+    assert OwnModel(str(own), model_key="my-key").label == "own:my-key"

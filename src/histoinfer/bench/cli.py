@@ -254,12 +254,16 @@ def config_from_args(args: argparse.Namespace) -> Any:
     if args.modes is not None:
         unknown = [m for m in args.modes if m not in MODES]
         if unknown or not args.modes:
-            raise ValueError(f"unknown modes: {', '.join(unknown)} (choose from {MODES})")
+            raise ValueError(
+                f"unknown modes: {', '.join(unknown)} (choose from {', '.join(MODES)})"
+            )
         changes["modes"] = changes["small_modes"] = args.modes
     if args.suites is not None:
         unknown = [s for s in args.suites if s not in SUITES]
         if unknown:
-            raise ValueError(f"unknown suites: {', '.join(unknown)} (choose from {SUITES})")
+            raise ValueError(
+                f"unknown suites: {', '.join(unknown)} (choose from {', '.join(SUITES)})"
+            )
         changes["suites"] = args.suites
     if args.workdir is not None:
         changes["workdir"] = str(args.workdir)

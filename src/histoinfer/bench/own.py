@@ -58,8 +58,12 @@ class OwnModel:
 
     @property
     def label(self) -> str:
-        """The name its rows carry (``model``): never a reference size's."""
-        return f"own:{self.model_key}"
+        """The name its rows carry (``model``): never a reference size's. Its ``--model-key``,
+        or with the default key its model.json's name once read (three checkpoints of one's
+        own all read ``own:h1``: a user trial)."""
+        if self.model_key != "h1":
+            return f"own:{self.model_key}"
+        return f"own:{self.metadata.get('name') or self.model_key}"
 
     @property
     def tile_size(self) -> int:
@@ -137,7 +141,7 @@ def resolve_own(cfg: BenchConfig, explicit_modes: bool, log: Callable[[str], Non
         checked=checked,
     )
     modes = modes_to_sweep(cfg.modes, metadata["modes"], explicit_modes)
-    return replace(cfg, own=resolved, modes=modes)
+    return replace(cfg, own=resolved, modes=modes, models=(resolved.label,))
 
 
 def describe(own: dict[str, Any]) -> str:
