@@ -640,6 +640,21 @@ def test_a_program_exported_from_one_tile_is_refused_with_the_export_hint(
     )
 
 
+def test_a_program_exported_for_a_batch_of_four_is_refused_with_the_export_hint(
+    copy_of_tiny: Path,
+) -> None:
+    # It fails on the probe's two tiles already, with torch.export's guard alone (a user trial).
+    path = copy_of_tiny / "model.pt2"
+    torch.export.save(torch.export.export(_Means(), (torch.zeros(4, 3, 224, 224),)), str(path))
+    raises_naming(
+        path,
+        lambda: build_server_model("h1", path),
+        "[2, 3, 224, 224] probe batch",
+        "takes one batch size only",
+        "dynamic batch dimension from 1",
+    )
+
+
 class _Unscripted(H1ServerModel):
     script_program = False
 

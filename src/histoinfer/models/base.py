@@ -110,6 +110,11 @@ _LONE_PROBE_HINT = (
 #: a program that takes one tile and fails on two: exported from an example batch of 1,
 #: which torch.export specializes to 1 (docs/checkpoints.md)
 _BATCH_OF_ONE_HINT = "; it takes a batch of one tile only (exported from one?): " + _DYNAMIC_BATCH
+#: a program that fails on two tiles with a guard on its batch's size: exported for another
+#: fixed batch (torch.export's guard reads "x.size()[0] == 4")
+_FIXED_BATCH_HINT = "; it takes one batch size only (exported without dynamic_shapes?): " + (
+    _DYNAMIC_BATCH
+)
 #: Where loading an untrained checkpoint is announced, once a process for each (its own name:
 #: a harness that reports it already can silence it alone).
 untrained_log = logging.getLogger("histoinfer.untrained")
@@ -749,8 +754,10 @@ class ServerModel:
                 except Exception as exc:
                     if n == 1:
                         hint = _LONE_PROBE_HINT
+                    elif self._takes_one_tile(mode):
+                        hint = _BATCH_OF_ONE_HINT
                     else:
-                        hint = _BATCH_OF_ONE_HINT if self._takes_one_tile(mode) else ""
+                        hint = _FIXED_BATCH_HINT if "size()[0]" in str(exc) else ""
                     raise CheckpointError(
                         f"checkpoint {self.checkpoint.path} failed on a [{n}, 3, {size}, {size}] "
                         f"probe batch ({mode}): {first_line(exc)}{hint}"
