@@ -249,7 +249,7 @@ def test_the_http_paths_process_loads_no_model(
     from histoinfer.bench import children
     from histoinfer.bench.paths import HttpLoopback
 
-    def no_model(*args: object) -> None:
+    def no_model(*args: object, **kwargs: object) -> None:
         raise AssertionError("the HTTP path's process loaded a model: the server has one")
 
     monkeypatch.setattr(children, "build_server_model", no_model)

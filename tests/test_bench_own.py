@@ -323,3 +323,26 @@ def test_rows_are_labelled_by_the_models_name_or_its_key(own: Path) -> None:
     resolved = resolve_own(cfg, explicit_modes=False, log=lambda _: None)
     assert resolved.models == ("own:mycnn",) and resolved.is_own("own:mycnn")
     assert OwnModel(str(own), model_key="my-key").label == "own:my-key"
+
+
+@pytest.mark.timeout(90)
+def test_a_model_json_kept_elsewhere_is_found_with_assets(own: Path, tmp_path: Path) -> None:
+    # serve and metadata take --assets; bench said to pass it and had none (a user trial).
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    (own.parent / "model.json").rename(assets / "model.json")
+    out = tmp_path / "out"
+    argv = ["bench", f"--checkpoint={own}", f"--assets={assets}", "--suites=throughput,latency"]
+    argv += ["--paths=explicit,http", *SHORT, f"--workdir={tmp_path / 'work'}", f"--out={out}"]
+    assert main(argv) == 0
+    data, md = _report(out)
+    assert "failed" not in data
+    assert {row["path"] for row in data["throughput"]["rows"]} == {"explicit", "http"}
+    assert data["latency"]["rows"]
+    assert f"model.json from `{assets}`" in md
+    assert main(["bench", f"--checkpoint={own}", "--quick"]) == 1  # not beside it
+
+
+def test_assets_goes_with_a_checkpoint(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--assets=somewhere"]) == 2
+    assert "--assets goes with --checkpoint" in capsys.readouterr().err

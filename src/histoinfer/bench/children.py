@@ -101,7 +101,11 @@ def open_path(spec: PathSpec) -> OpenPath:
     """Build the model, bodies and path of ``spec`` (in the process that will measure it)."""
     needs_model = spec.name not in PATHS or PATHS[spec.name].needs_model
     import_user_modules(spec.imports)  # a model of the user's own: its module registers it
-    model = build_server_model(spec.model_key, spec.checkpoint) if needs_model else None
+    model = (
+        build_server_model(spec.model_key, spec.checkpoint, assets_dir=spec.assets)
+        if needs_model
+        else None
+    )
     bodies = load_bodies(spec.bodies, spec.seed, Path(spec.workdir), _silent, spec.tile_size)
     ctx = BenchContext(
         spec.size,
@@ -112,6 +116,7 @@ def open_path(spec: PathSpec) -> OpenPath:
         [],
         model_key=spec.model_key,
         imports=spec.imports,
+        assets=spec.assets,
     )
     [path] = make_paths([spec.name], ctx)
     if path.needs_tiles:
@@ -134,10 +139,11 @@ def open_lone(
     model_key: str = "h1",
     imports: Sequence[str] = (),
     tile_size: int = 224,
+    assets: str | None = None,
 ) -> LoneLatency:
     """The lone-latency measurer, built in the process that will measure one variant."""
     import_user_modules(imports)
-    model = build_server_model(model_key, checkpoint)
+    model = build_server_model(model_key, checkpoint, assets_dir=assets)
     loaded = load_bodies(bodies, seed, Path(workdir), _silent, tile_size)
     lone = LoneLatency(model, loaded, prepare_tiles(model, loaded))
     lone.info.update(environment=torch_environment(), program_runner=_runs_as(model))

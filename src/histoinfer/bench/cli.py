@@ -117,6 +117,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="KEY",
         help="with --checkpoint: the registry key of its model class (default: h1)",
     )
+    parser.add_argument(
+        "--assets",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="with --checkpoint: the folder of its model.json (default: beside it)",
+    )
     add_import_option(parser)  # serve's --import, said as serve says it, and where it applies
     [imports] = [action for action in parser._actions if action.dest == "imports"]
     imports.help = f"{imports.help}; with --checkpoint, imported in every bench process too"
@@ -213,7 +220,11 @@ def _refuse_combinations(args: argparse.Namespace) -> None:
     """Options that make no sense together (UsageError), before anything is loaded."""
     given = getattr(args, "checkpoint", None) is not None
     if not given:
-        for option, value in (("--model-key", args.model_key), ("--import", args.imports)):
+        for option, value in (
+            ("--model-key", args.model_key),
+            ("--import", args.imports),
+            ("--assets", args.assets),
+        ):
             if value is not None:
                 raise UsageError(f"{option} goes with --checkpoint (a model of your own)")
         return
@@ -236,7 +247,12 @@ def config_from_args(args: argparse.Namespace) -> Any:
     cfg = quick_config() if args.quick else BenchConfig()
     changes: dict[str, Any] = {}
     if args.checkpoint is not None:
-        own = OwnModel(str(args.checkpoint), args.model_key or "h1", tuple(args.imports or ()))
+        own = OwnModel(
+            str(args.checkpoint),
+            args.model_key or "h1",
+            tuple(args.imports or ()),
+            None if args.assets is None else str(args.assets),
+        )
         changes["own"] = own
         changes["models"] = (own.label,)
     elif args.models is not None:

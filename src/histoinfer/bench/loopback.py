@@ -131,11 +131,13 @@ class ServerProcess:
         max_wait_ms: float,
         model: str = "h1",
         imports: Sequence[str] = (),
+        assets: str | None = None,
     ) -> ServerProcess:
         """One model from one checkpoint, with the batching settings under test; ``imports``
         are ``serve --import``'s modules (those that register ``model``)."""
         args = ["--model", model, "--checkpoint", str(checkpoint)]
         args += [word for name in imports for word in ("--import", name)]
+        args += ["--assets", assets] if assets is not None else []
         args += ["--max-batch-size", str(max_batch_size), "--max-wait-ms", str(max_wait_ms)]
         return cls(args)
 

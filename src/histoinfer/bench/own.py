@@ -48,6 +48,8 @@ class OwnModel:
     model_key: str = "h1"
     #: ``--import`` modules, imported before the model is built (here and in every child)
     imports: tuple[str, ...] = ()
+    #: the folder of its model.json, where not beside the checkpoint (``--assets``)
+    assets: str | None = None
     #: what its metadata says (``resolve_own``): name, version, tile size, modes, trained...
     metadata: dict[str, Any] = field(default_factory=dict)
     #: the program's precision (``float32``, ``bfloat16``...), as loaded
@@ -126,7 +128,7 @@ def resolve_own(cfg: BenchConfig, explicit_modes: bool, log: Callable[[str], Non
     untrained = logging.getLogger("histoinfer.untrained")
     was_disabled, untrained.disabled = untrained.disabled, True
     try:
-        model = cls.from_files(path, device="cpu")
+        model = cls.from_files(path, device="cpu", assets_dir=own.assets)
     finally:
         untrained.disabled = was_disabled
     metadata = model.metadata().model_dump(mode="json")
@@ -136,6 +138,7 @@ def resolve_own(cfg: BenchConfig, explicit_modes: bool, log: Callable[[str], Non
     resolved = replace(
         own,
         checkpoint=str(path.resolve()),  # the report names it wherever it is read
+        assets=None if own.assets is None else str(Path(own.assets).resolve()),
         metadata={key: metadata[key] for key in _METADATA_KEYS if key in metadata},
         dtype=dtype,
         checked=checked,
@@ -159,6 +162,8 @@ def describe(own: dict[str, Any]) -> str:
     imports = own.get("imports") or []
     if imports:
         facts.append(f"imported: {', '.join(imports)}")
+    if own.get("assets"):
+        facts.append(f"model.json from `{own['assets']}`")
     checked = (
         "each response is checked against its own tile run alone"
         if own.get("checked", True)

@@ -58,6 +58,8 @@ class BenchContext:
     #: the registry key the model is built by, and the modules that register it (``--import``)
     model_key: str = "h1"
     imports: tuple[str, ...] = ()
+    #: its model.json's folder, where not beside the checkpoint (``--assets``)
+    assets: str | None = None
 
     @property
     def server_model(self) -> ServerModel:
@@ -364,6 +366,7 @@ class HttpLoopback(BenchPath):
             max_wait_ms=self.ctx.max_wait_ms,
             model=self.ctx.model_key,
             imports=self.ctx.imports,
+            assets=self.ctx.assets,
         )
         self.note = f"client: histoinfer.HttpClient; server: {' '.join(self.server.command[1:])}"
         self._counters: dict[str, float] = {}  # the server's, before a measurement

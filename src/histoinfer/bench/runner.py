@@ -462,6 +462,8 @@ class PathSpec:
     imports: tuple[str, ...] = ()
     #: the side of the bodies' tiles, in pixels (the model's own)
     tile_size: int = 224
+    #: the folder of its model.json, where not beside the checkpoint (``--assets``)
+    assets: str | None = None
 
 
 #: the factories a bench child process builds its object with (bench/children.py), named so that
@@ -470,12 +472,14 @@ OPEN_PATH = "histoinfer.bench.children:open_path"
 OPEN_LONE = "histoinfer.bench.children:open_lone"
 
 
-def _builder(cfg: BenchConfig, model: str) -> tuple[str, tuple[str, ...], int]:
+def _builder(cfg: BenchConfig, model: str) -> tuple[str, tuple[str, ...], int, str | None]:
     """How a child builds ``model`` and its bodies: the registry key, the modules to import
-    first (``--import``), and the tiles' size (``PathSpec``'s and ``open_lone``'s last)."""
+    first (``--import``), the tiles' size and the model.json's folder (``--assets``):
+    ``PathSpec``'s and ``open_lone``'s last."""
     if cfg.own is not None and cfg.is_own(model):
-        return cfg.own.model_key, cfg.own.imports, cfg.own.tile_size
-    return "h1", (), 224
+        own = cfg.own
+        return own.model_key, own.imports, own.tile_size, own.assets
+    return "h1", (), 224, None
 
 
 def _start(cfg: BenchConfig, factory: str, *args: Any) -> Isolated | Local:
