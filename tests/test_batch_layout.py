@@ -191,6 +191,19 @@ def test_a_tolerance_takes_channels_last_batches_that_answer_a_hair_off(
     )
 
 
+class _NaNOnChannelsLast(_Tolerant):
+    """Predictions exact; the embedding NaN on a channels-last batch: no tolerance takes it."""
+
+    def _run_program(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        predictions, embedding = H1ServerModel._run_program(self, x)
+        return predictions, embedding if x.is_contiguous() else embedding * float("nan")
+
+
+def test_a_nan_on_channels_last_batches_is_never_within_tolerance(tiny_checkpoint: Path) -> None:
+    layout = _NaNOnChannelsLast.from_files(tiny_checkpoint).batch_layout
+    assert layout.startswith("contiguous (the program's outputs differ") and "by inf" in layout
+
+
 def test_channels_last_batches_can_be_turned_off(
     tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -54,7 +54,8 @@ CHANNELS_LAST = "channels-last"
 
 def _apart(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
     """How far apart two outputs are, relative to ``a``'s largest value (or 1, if smaller): 0
-    for bitwise-equal ones (NaN where ``a`` has one), infinite for ones that cannot compare."""
+    for bitwise-equal ones, infinite for ones that cannot compare or where a NaN differs (a
+    NaN would be lost in a ``max`` of several)."""
     if a is None or b is None:
         return 0.0 if a is b else math.inf
     if bitwise_equal(a, b):
@@ -63,7 +64,8 @@ def _apart(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
         return math.inf
     a64, b64 = a.double(), b.double()
     scale = max(1.0, float(a64.abs().max())) if a64.numel() else 1.0
-    return float((a64 - b64).abs().max()) / scale
+    apart = float((a64 - b64).abs().max()) / scale
+    return apart if not math.isnan(apart) else math.inf
 
 
 def hwc_view(tile: torch.Tensor) -> torch.Tensor | None:
@@ -707,7 +709,7 @@ class ServerModel:
                     why = f"fails on a channels-last batch of {n}: {first_line(exc)}"
                     return f"contiguous (the program {why})"
             apart = max(_apart(a, b) for a, b in zip(want, got, strict=True))
-            if not apart <= self.channels_last_tolerance:  # NaN too
+            if apart > self.channels_last_tolerance:
                 return (
                     f"contiguous (the program's outputs differ on a channels-last batch of {n}, "
                     f"by {apart:.2g} of their scale; channels_last_tolerance allows "
