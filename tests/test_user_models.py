@@ -25,6 +25,7 @@ from histoinfer.models import (
     registry,
 )
 from histoinfer.models.h1 import H1ServerModel
+from histoinfer.models.registry import UnknownModelError
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("private_registry")]
 
@@ -461,3 +462,17 @@ def test_a_file_named_like_an_imported_module_is_refused(
     (in_tmp / "json.py").write_text("raise RuntimeError('must not run')")
     argv = ["metadata", "--checkpoint", str(tiny_checkpoint), "--import", "json.py"]
     one_line_error(main(argv), capsys.readouterr().err, "'json' is already imported", "rename")
+
+
+def test_a_misspelt_key_is_answered_with_the_nearest_one(tiny_checkpoint: Path) -> None:
+    # A user trial: --model-key mycnn, with its module registering my-cnn.
+    @register_model("my-cnn")
+    class MyCnn(H1ServerModel):
+        pass
+
+    with pytest.raises(UnknownModelError) as info:
+        build_server_model("mycnn", tiny_checkpoint)
+    assert "unknown model 'mycnn' (did you mean 'my-cnn'?); available models:" in str(info.value)
+    with pytest.raises(UnknownModelError) as far:
+        build_server_model("zz", tiny_checkpoint)
+    assert "did you mean" not in str(far.value)

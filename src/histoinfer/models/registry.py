@@ -7,6 +7,7 @@ registers once imported) and from the ``histoinfer.models`` entry points of inst
 
 from __future__ import annotations
 
+import difflib
 import importlib.metadata
 import logging
 import threading
@@ -155,8 +156,11 @@ def model_class(key: str) -> type[ServerModel]:
         declared = [entry for entry in _entry_points() if entry.name == key]
         if declared:
             return _load_entry_point(key, declared)
+    available = available_models()
+    close = difflib.get_close_matches(key, available, n=1)
+    guess = f" (did you mean {close[0]!r}?)" if close else ""
     raise UnknownModelError(
-        f"unknown model {key!r}; available models: {', '.join(available_models()) or 'none'}"
+        f"unknown model {key!r}{guess}; available models: {', '.join(available) or 'none'}"
     )
 
 
