@@ -758,6 +758,14 @@ def test_chunked_paths_latencies_count_the_wait_behind_earlier_chunks() -> None:
     assert closed_loop_latencies(0.0, done, 2) == [1.0, 1.0, 2.0, 2.0]
 
 
+def test_an_unevaluated_targets_disturbed_round_is_still_said() -> None:
+    # An own checkpoint's ratios are read all the same: a round far off is flagged (a user trial).
+    check = {"not_evaluated": "own checkpoint", "per_round": [0.9, 0.02, 0.92], "disturbed": [1]}
+    said = verdict(check | {"met": None, "issue": "5", "rounds_met": None})
+    assert said == "not evaluated (own checkpoint); disturbed round 2 (0.02)"
+    assert verdict(check | {"disturbed": [], "met": None}) == "not evaluated (own checkpoint)"
+
+
 def test_a_disturbed_round_is_flagged_and_decides_nothing() -> None:
     def sample(tiles_per_s: float) -> Sample:
         return Sample(tiles=100, wall_s=100 / tiles_per_s, latencies_s=[0.1])

@@ -352,8 +352,13 @@ class Check:
 def verdict(check: dict[str, Any]) -> str:
     """A check's result in words, from ``Check.as_dict``: what the median says, in how many
     rounds the bound was met, and whether that decides it."""
+    disturbed = check.get("disturbed") or []
+    which = ", ".join(f"{i + 1} ({check['per_round'][i]:.2f})" for i in disturbed)
+    undecided = f"; disturbed round{'s' * (len(disturbed) > 1)} {which}" if disturbed else ""
     if check.get("not_evaluated"):
-        return f"not evaluated ({check['not_evaluated']})"
+        # The rounds' disturbance is still said: the ratio is read all the same (a user trial
+        # saw a round at 0.02 against a median of 0.9, unflagged).
+        return f"not evaluated ({check['not_evaluated']}){undecided}"
     if check["met"] is None:
         return "not measured"
     head = "met" if check["met"] else "not met"
@@ -362,9 +367,6 @@ def verdict(check: dict[str, Any]) -> str:
     rounds, met = len(check["per_round"]), check.get("rounds_met")
     if met is None:  # a report written before rounds were counted
         return head
-    disturbed = check.get("disturbed") or []
-    which = ", ".join(f"{i + 1} ({check['per_round'][i]:.2f})" for i in disturbed)
-    undecided = f"; disturbed round{'s' * (len(disturbed) > 1)} {which}" if disturbed else ""
     if met not in (0, rounds):
         return f"{head} by the median; met in {met} of {rounds} rounds{undecided}: not decided"
     # All rounds agree here, and with the median: "met in every round", "not met in any".
