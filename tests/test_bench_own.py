@@ -13,6 +13,7 @@ import os
 import shutil
 import textwrap
 import uuid
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-from histoinfer.bench.own import OwnModel, modes_to_sweep, resolve_own
+from histoinfer.bench.own import OwnModel, describe, modes_to_sweep, resolve_own
 from histoinfer.bench.runner import BenchConfig, load_bodies
 from histoinfer.cli import main
 
@@ -322,6 +323,9 @@ def test_rows_are_labelled_by_the_models_name_or_its_key(own: Path) -> None:
     cfg = BenchConfig(models=("own:h1",), own=OwnModel(str(own)))
     resolved = resolve_own(cfg, explicit_modes=False, log=lambda _: None)
     assert resolved.models == ("own:mycnn",) and resolved.is_own("own:mycnn")
+    assert resolved.own is not None
+    said = describe({**asdict(resolved.own), "checkpoint": str(own)})
+    assert "measured as `own:mycnn`" in said  # as its rows read
     assert OwnModel(str(own), model_key="my-key").label == "own:my-key"
 
 

@@ -22,7 +22,7 @@ from ..schema import Mode, parse_request
 from .isolation import Unavailable
 from .latency import LoneLatency
 from .measure import Expected, Sample, cpu_split, thread_cpu_clocks
-from .own import import_user_modules
+from .own import REFERENCE_BUILD, ModelBuild, import_user_modules
 from .paths import PATHS, BenchContext, BenchPath, make_paths
 from .peers import Pipeline
 from .runner import PathSpec, load_bodies
@@ -100,13 +100,8 @@ class OpenPath:
 def open_path(spec: PathSpec) -> OpenPath:
     """Build the model, bodies and path of ``spec`` (in the process that will measure it)."""
     needs_model = spec.name not in PATHS or PATHS[spec.name].needs_model
-    import_user_modules(spec.imports)  # a model of the user's own: its module registers it
-    model = (
-        build_server_model(spec.model_key, spec.checkpoint, assets_dir=spec.assets)
-        if needs_model
-        else None
-    )
-    bodies = load_bodies(spec.bodies, spec.seed, Path(spec.workdir), _silent, spec.tile_size)
+    model = _built(spec.build, spec.checkpoint) if needs_model else None
+    bodies = load_bodies(spec.bodies, spec.seed, Path(spec.workdir), _silent, spec.build.tile_size)
     ctx = BenchContext(
         spec.size,
         model,
@@ -114,9 +109,7 @@ def open_path(spec: PathSpec) -> OpenPath:
         spec.max_batch_size,
         spec.max_wait_ms,
         [],
-        model_key=spec.model_key,
-        imports=spec.imports,
-        assets=spec.assets,
+        build=spec.build,
     )
     [path] = make_paths([spec.name], ctx)
     if path.needs_tiles:
@@ -136,18 +129,21 @@ def open_lone(
     bodies: int,
     seed: int,
     workdir: str,
-    model_key: str = "h1",
-    imports: Sequence[str] = (),
-    tile_size: int = 224,
-    assets: str | None = None,
+    build: ModelBuild = REFERENCE_BUILD,
 ) -> LoneLatency:
     """The lone-latency measurer, built in the process that will measure one variant."""
-    import_user_modules(imports)
-    model = build_server_model(model_key, checkpoint, assets_dir=assets)
-    loaded = load_bodies(bodies, seed, Path(workdir), _silent, tile_size)
+    model = _built(build, checkpoint)
+    loaded = load_bodies(bodies, seed, Path(workdir), _silent, build.tile_size)
     lone = LoneLatency(model, loaded, prepare_tiles(model, loaded))
     lone.info.update(environment=torch_environment(), program_runner=_runs_as(model))
     return lone
+
+
+def _built(build: ModelBuild, checkpoint: str) -> ServerModel:
+    """``checkpoint``'s model as ``build`` says, in this process: a model of the user's own
+    after the modules that register it."""
+    import_user_modules(build.imports)
+    return build_server_model(build.key, checkpoint, assets_dir=build.assets)
 
 
 def _runs_as(model: ServerModel) -> str:

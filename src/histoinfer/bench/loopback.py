@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from ..extras import install_hint
+from .own import REFERENCE_BUILD, ModelBuild
 
 __all__ = ["ServerProcess", "free_port", "http_unavailable", "parse_metrics", "wait_ready"]
 
@@ -129,15 +130,13 @@ class ServerProcess:
         *,
         max_batch_size: int,
         max_wait_ms: float,
-        model: str = "h1",
-        imports: Sequence[str] = (),
-        assets: str | None = None,
+        build: ModelBuild = REFERENCE_BUILD,
     ) -> ServerProcess:
-        """One model from one checkpoint, with the batching settings under test; ``imports``
-        are ``serve --import``'s modules (those that register ``model``)."""
-        args = ["--model", model, "--checkpoint", str(checkpoint)]
-        args += [word for name in imports for word in ("--import", name)]
-        args += ["--assets", assets] if assets is not None else []
+        """One model from one checkpoint, with the batching settings under test, built as
+        ``build`` says (a model of the user's own: its key, ``--import``, ``--assets``)."""
+        args = ["--model", build.key, "--checkpoint", str(checkpoint)]
+        args += [word for name in build.imports for word in ("--import", name)]
+        args += ["--assets", build.assets] if build.assets is not None else []
         args += ["--max-batch-size", str(max_batch_size), "--max-wait-ms", str(max_wait_ms)]
         return cls(args)
 

@@ -26,10 +26,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "NOT_EVALUATED",
+    "REFERENCE_BUILD",
+    "ModelBuild",
     "OwnModel",
     "describe",
     "import_user_modules",
     "modes_to_sweep",
+    "own_label",
     "resolve_own",
 ]
 
@@ -38,6 +41,28 @@ NOT_EVALUATED = "own checkpoint"
 
 #: what the report quotes of the model's metadata
 _METADATA_KEYS = ("name", "version", "task", "tile_size", "modes", "trained", "checkpoint_kind")
+
+
+@dataclass(frozen=True)
+class ModelBuild:
+    """How a bench process builds its model and its request bodies (sent to every child):
+    the registry key, the modules that register it (``--import``), its model.json's folder
+    (``--assets``) and the tiles' side in pixels. By default, the reference ``h1``'s."""
+
+    key: str = "h1"
+    imports: tuple[str, ...] = ()
+    assets: str | None = None
+    tile_size: int = 224
+
+
+#: the reference ``h1``'s build (``--models tiny,small``)
+REFERENCE_BUILD = ModelBuild()
+
+
+def own_label(model_key: str, name: str | None) -> str:
+    """The name an own checkpoint's rows carry: its ``--model-key``, or with the default key
+    its model.json's name (three checkpoints of one's own all read ``own:h1``: a user trial)."""
+    return f"own:{model_key if model_key != 'h1' else name or model_key}"
 
 
 @dataclass(frozen=True)
@@ -60,16 +85,14 @@ class OwnModel:
 
     @property
     def label(self) -> str:
-        """The name its rows carry (``model``): never a reference size's. Its ``--model-key``,
-        or with the default key its model.json's name once read (three checkpoints of one's
-        own all read ``own:h1``: a user trial)."""
-        if self.model_key != "h1":
-            return f"own:{self.model_key}"
-        return f"own:{self.metadata.get('name') or self.model_key}"
+        """The name its rows carry (``model``): never a reference size's (:func:`own_label`;
+        its name once its metadata is read)."""
+        return own_label(self.model_key, self.metadata.get("name"))
 
     @property
-    def tile_size(self) -> int:
-        return int(self.metadata.get("tile_size", 224))
+    def build(self) -> ModelBuild:
+        tile_size = int(self.metadata.get("tile_size", 224))
+        return ModelBuild(self.model_key, self.imports, self.assets, tile_size)
 
 
 def import_user_modules(imports: Sequence[str]) -> None:
@@ -172,7 +195,8 @@ def describe(own: dict[str, Any]) -> str:
     )
     return (
         f"Own checkpoint `{own['checkpoint']}` ({'; '.join(facts)}), measured as "
-        f"`own:{own['model_key']}` on bodies of its own tile size; {checked}. Its targets are "
+        f"`{own_label(own['model_key'], meta.get('name'))}` on bodies of its own tile size; "
+        f"{checked}. Its targets are "
         "not evaluated: they are set for the reference tiny and small models (the ratios are "
         "reported)."
     )

@@ -36,6 +36,7 @@ from .measure import (
     drive_async,
     drive_threads,
 )
+from .own import REFERENCE_BUILD, ModelBuild
 from .peers import AsyncBatcherPeer, Pipeline, QueueBatcherPeer, forward_thread
 
 __all__ = ["PATHS", "BenchContext", "BenchPath", "make_paths"]
@@ -55,11 +56,8 @@ class BenchContext:
     tiles: list[torch.Tensor]
     #: by mode and body index, what some bodies' responses must hold (``OpenPath.reference``)
     expected: dict[str, dict[int, Expected]] = field(default_factory=dict)
-    #: the registry key the model is built by, and the modules that register it (``--import``)
-    model_key: str = "h1"
-    imports: tuple[str, ...] = ()
-    #: its model.json's folder, where not beside the checkpoint (``--assets``)
-    assets: str | None = None
+    #: how the model is built: its key, the modules that register it, its model.json's folder
+    build: ModelBuild = REFERENCE_BUILD
 
     @property
     def server_model(self) -> ServerModel:
@@ -364,9 +362,7 @@ class HttpLoopback(BenchPath):
             self.ctx.checkpoint,
             max_batch_size=self.ctx.max_batch_size,
             max_wait_ms=self.ctx.max_wait_ms,
-            model=self.ctx.model_key,
-            imports=self.ctx.imports,
-            assets=self.ctx.assets,
+            build=self.ctx.build,
         )
         self.note = f"client: histoinfer.HttpClient; server: {' '.join(self.server.command[1:])}"
         self._counters: dict[str, float] = {}  # the server's, before a measurement
@@ -375,7 +371,7 @@ class HttpLoopback(BenchPath):
         self._portal_context = anyio.from_thread.start_blocking_portal("asyncio")
         try:
             self._portal = self._portal_context.__enter__()
-            self._client = _http_client(self.server.base_url, self.ctx.model_key)
+            self._client = _http_client(self.server.base_url, self.ctx.build.key)
             # The client's event loop is the path's "main" thread (bench/measure.py, cpu_split).
             self.loop_thread = self._portal.call(threading.get_native_id)
         except BaseException:

@@ -29,7 +29,7 @@ from .isolation import Isolated, Local
 from .measure import CPU_ROLES, Sample, p50_ms, percentile
 from .names import LONE_VARIANTS, PATH_NAMES
 from .overhead import OVERHEAD_VARIANTS, OverheadConfig, measure_overhead
-from .own import NOT_EVALUATED, OwnModel
+from .own import NOT_EVALUATED, REFERENCE_BUILD, ModelBuild, OwnModel
 
 if TYPE_CHECKING:  # this process never imports torch (the children do)
     from ..models.base import ServerModel
@@ -93,9 +93,10 @@ class BenchConfig:
         """Whether ``model`` (a row's) is the user's own checkpoint."""
         return self.own is not None and model == self.own.label
 
-    def tile_size(self, model: str) -> int:
-        """The side of ``model``'s tiles, in pixels: the request bodies are built at it."""
-        return self.own.tile_size if self.own is not None and self.is_own(model) else 224
+    def build_of(self, model: str) -> ModelBuild:
+        """How ``model`` and its request bodies are built: the user's own checkpoint's way,
+        or the reference ``h1``'s."""
+        return self.own.build if self.own is not None and self.is_own(model) else REFERENCE_BUILD
 
     def not_evaluated(self, model: str) -> str:
         """Why ``model``'s targets are not evaluated ("": they are)."""
@@ -459,29 +460,14 @@ class PathSpec:
     workdir: str
     max_batch_size: int
     max_wait_ms: float
-    #: the registry key its model is built by, and the modules that register it
-    model_key: str = "h1"
-    imports: tuple[str, ...] = ()
-    #: the side of the bodies' tiles, in pixels (the model's own)
-    tile_size: int = 224
-    #: the folder of its model.json, where not beside the checkpoint (``--assets``)
-    assets: str | None = None
+    #: how its model and bodies are built (a model of the user's own: ``--checkpoint``)
+    build: ModelBuild = REFERENCE_BUILD
 
 
 #: the factories a bench child process builds its object with (bench/children.py), named so that
 #: this process never imports torch
 OPEN_PATH = "histoinfer.bench.children:open_path"
 OPEN_LONE = "histoinfer.bench.children:open_lone"
-
-
-def _builder(cfg: BenchConfig, model: str) -> tuple[str, tuple[str, ...], int, str | None]:
-    """How a child builds ``model`` and its bodies: the registry key, the modules to import
-    first (``--import``), the tiles' size and the model.json's folder (``--assets``):
-    ``PathSpec``'s and ``open_lone``'s last."""
-    if cfg.own is not None and cfg.is_own(model):
-        own = cfg.own
-        return own.model_key, own.imports, own.tile_size, own.assets
-    return "h1", (), 224, None
 
 
 def _start(cfg: BenchConfig, factory: str, *args: Any) -> Isolated | Local:
@@ -561,7 +547,7 @@ def _sweep_model(cfg: BenchConfig, size: str, log: Log, environment: dict[str, A
     checkpoint = checkpoint_of(cfg, size, log)
     n = max(cfg.tiles_at(size, level) for level in levels)
     # built once, cached for the processes below
-    load_bodies(n, cfg.seed, workdir, log, cfg.tile_size(size))
+    load_bodies(n, cfg.seed, workdir, log, cfg.build_of(size).tile_size)
     specs = [
         PathSpec(
             size,
@@ -572,7 +558,7 @@ def _sweep_model(cfg: BenchConfig, size: str, log: Log, environment: dict[str, A
             str(workdir),
             cfg.max_batch_size,
             cfg.max_wait_ms,
-            *_builder(cfg, size),
+            cfg.build_of(size),
         )
         for name in names
     ]
@@ -864,9 +850,9 @@ def _latency_model(
     checkpoint = checkpoint_of(cfg, size, log)
     n = max(cfg.tiles_at(size, 1), 16)
     # built once, cached for the processes below
-    load_bodies(n, cfg.seed, workdir, log, cfg.tile_size(size))
+    load_bodies(n, cfg.seed, workdir, log, cfg.build_of(size).tile_size)
     calls = cfg.lone_calls if size != "small" else max(cfg.lone_calls // 3, 10)
-    opened = (str(checkpoint), n, cfg.seed, str(workdir), *_builder(cfg, size))
+    opened = (str(checkpoint), n, cfg.seed, str(workdir), cfg.build_of(size))
     processes = {
         key: _start(cfg, OPEN_LONE, *opened) for key in dict.fromkeys(map(_lone_process, variants))
     }
