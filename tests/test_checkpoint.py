@@ -624,33 +624,25 @@ def test_a_program_exported_with_a_static_batch_is_refused_at_load(copy_of_tiny:
     )
 
 
-def test_a_program_exported_from_one_tile_is_refused_with_the_export_hint(
-    copy_of_tiny: Path,
+@pytest.mark.parametrize(
+    ("batch", "why"),
+    [(1, "takes a batch of one tile only"), (4, "takes one batch size only")],
+    ids=["one", "four"],
+)
+def test_a_program_exported_for_a_fixed_batch_is_refused_with_the_export_hint(
+    copy_of_tiny: Path, batch: int, why: str
 ) -> None:
     """The mistake checkpoints.md warns of: an example batch of 1 specializes the batch to 1.
-    The probe of two failed first, and its refusal said nothing of why (a user trial)."""
+    The probe of two failed first, and its refusal said nothing of why (a user trial); nor did
+    it for a batch of 4, failing with torch.export's guard alone (another)."""
     path = copy_of_tiny / "model.pt2"
-    torch.export.save(torch.export.export(_Means(), (torch.zeros(1, 3, 224, 224),)), str(path))
+    example = torch.zeros(batch, 3, 224, 224)
+    torch.export.save(torch.export.export(_Means(), (example,)), str(path))
     raises_naming(
         path,
         lambda: build_server_model("h1", path),
         "[2, 3, 224, 224] probe batch",
-        "takes a batch of one tile only",
-        "dynamic batch dimension from 1",
-    )
-
-
-def test_a_program_exported_for_a_batch_of_four_is_refused_with_the_export_hint(
-    copy_of_tiny: Path,
-) -> None:
-    # It fails on the probe's two tiles already, with torch.export's guard alone (a user trial).
-    path = copy_of_tiny / "model.pt2"
-    torch.export.save(torch.export.export(_Means(), (torch.zeros(4, 3, 224, 224),)), str(path))
-    raises_naming(
-        path,
-        lambda: build_server_model("h1", path),
-        "[2, 3, 224, 224] probe batch",
-        "takes one batch size only",
+        why,
         "dynamic batch dimension from 1",
     )
 

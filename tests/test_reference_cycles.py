@@ -81,12 +81,21 @@ def _sync_error_of(call: Callable[[], object]) -> str:
     return "none"
 
 
+async def _again_watched(step: Callable[[], Awaitable[None]]) -> list[str]:
+    """``step()`` once to warm up, then again within :func:`cyclic_frames`: what it found."""
+    await step()
+    with cyclic_frames() as found:
+        await step()
+    return found
+
+
 async def _twice(call: Callable[[], Awaitable[object]], expected: str) -> list[str]:
     """``call()`` fails with ``expected``: once to warm up, then within :func:`cyclic_frames`."""
-    assert await _error_of(call()) == expected
-    with cyclic_frames() as found:
+
+    async def fails() -> None:
         assert await _error_of(call()) == expected
-    return found
+
+    return await _again_watched(fails)
 
 
 GOOD = make_body(0)
@@ -199,9 +208,7 @@ async def test_a_caller_that_leaves_during_its_failing_pass_leaves_no_cycle(
             await anyio.sleep(0.8)  # the passes fail, for nobody
 
         with anyio.fail_after(60):
-            await leave_mid_pass()
-            with cyclic_frames() as found:
-                await leave_mid_pass()
+            found = await _again_watched(leave_mid_pass)
     assert not found, found
 
 
@@ -216,9 +223,7 @@ async def test_a_cancelled_batch_call_leaves_no_cycle(tiny_model: ServerModel) -
             await anyio.sleep(0.8)  # its thread stops at its next pass, for nobody
 
         with anyio.fail_after(60):
-            await cancel_mid_call()
-            with cyclic_frames() as found:
-                await cancel_mid_call()
+            found = await _again_watched(cancel_mid_call)
     assert not found, found
 
 
