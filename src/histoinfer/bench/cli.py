@@ -333,6 +333,7 @@ def run(args: argparse.Namespace) -> int:
         sign = ">=" if check["higher_is_better"] else "<="
         target = f"target {sign} {check['target']:g}"
         print(f"  {check['name']}: {value} ({target}) {verdict(check)}")
+    _print_level_ratios(report.get("throughput", {}).get("level_ratios", []))
     for floor in report.get("throughput", {}).get("noise_floor", []):
         print(
             f"  noise floor ({floor['model']}, {floor.get('in_flight', floor['concurrency'])} "
@@ -341,6 +342,22 @@ def run(args: argparse.Namespace) -> int:
         )
     print(f"done in {report['seconds']} s")
     return 1 if report.get("failed") else 0
+
+
+def _print_level_ratios(ratios: Sequence[dict[str, Any]]) -> None:
+    """Each ratio at every level, a line each, for each model's first mode (report.md has
+    every mode's)."""
+    lines: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    first_mode: dict[str, str] = {}
+    for r in ratios:
+        if first_mode.setdefault(r["model"], r["mode"]) == r["mode"]:
+            lines.setdefault((r["model"], r["ratio"]), []).append(r)
+    if lines:
+        print("ratios at every level (report.md, 'Ratios at every level'):")
+    for (model, name), found in lines.items():
+        levels = " / ".join(str(r["in_flight"]) for r in found)
+        values = " / ".join(f"{r['median']:.3f}" for r in found)
+        print(f"  {name} ({model}, {first_mode[model]}) at {levels} in flight: {values}")
 
 
 def main(

@@ -27,18 +27,19 @@ PATH_NAMES = (
     "asyncio-queue",
 )
 
-#: what each path runs, in a line (the report's legend; docs/benchmarks.md has the details)
+#: what each path runs, in a line (the report's legend; docs/benchmarks.md has the details);
+#: ``{mode}`` is the call's mode (``predict``, ``embed``, ``predict_with_embedding``)
 PATH_DESCRIPTIONS = {
     "raw": "the forward pass alone, over pre-decoded, pre-stacked tiles: the limit",
-    "explicit": "InProcessClient(dynamic_batching=False).predict_batch over chunks of the bodies",
+    "explicit": "InProcessClient(dynamic_batching=False).{mode}_batch over chunks of the bodies",
     "explicit-parallel": "the same, each chunk's bodies decoded on batch_decode_threads threads",
-    "dynamic-asyncio": "concurrent predict_async calls, dynamically batched, on asyncio",
+    "dynamic-asyncio": "concurrent {mode}_async calls, dynamically batched, on asyncio",
     "dynamic-asyncio-twin": "dynamic-asyncio again in another process: the noise floor",
-    "dynamic-trio": "concurrent predict_async calls, dynamically batched, on trio",
-    "bs1-asyncio": "concurrent predict_async calls at batch size 1 (dynamic_batching=False)",
+    "dynamic-trio": "concurrent {mode}_async calls, dynamically batched, on trio",
+    "bs1-asyncio": "concurrent {mode}_async calls at batch size 1 (dynamic_batching=False)",
     "bs1-trio": "the same on trio",
-    "sync-threads": "blocking predict from as many threads as in flight",
-    "http": "histoinfer serve on 127.0.0.1 and HttpClient.predict_async",
+    "sync-threads": "blocking {mode} from as many threads as in flight",
+    "http": "histoinfer serve on 127.0.0.1 and HttpClient.{mode}_async",
     "async-batcher": "the async-batcher package around the same pipeline (the peer)",
     "asyncio-queue": "a plain asyncio.Queue batcher as a user would write it, same pipeline",
 }

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -168,15 +168,47 @@ def _profile_section(profile: dict[str, Any]) -> list[str]:
     return out
 
 
-def _paths_legend(paths: Iterable[str]) -> str:
+def _paths_legend(rows: Sequence[dict[str, Any]]) -> str:
     """What each path measured runs, in a line each (a reader of the report alone had only the
-    http path's, a user trial found)."""
+    http path's, a user trial found), naming the calls of the mode swept: an embed-only
+    model's run said ``predict_async``. With several modes, ``MODE`` stands for the row's."""
+    modes = list(dict.fromkeys(_mode(row) for row in rows))
+    mode = modes[0] if len(modes) == 1 else "MODE"
     described = [
-        f"`{path}`: {PATH_DESCRIPTIONS[path]}"
-        for path in dict.fromkeys(paths)
+        f"`{path}`: {PATH_DESCRIPTIONS[path].format(mode=mode)}"
+        for path in dict.fromkeys(row["path"] for row in rows)
         if path in PATH_DESCRIPTIONS
     ]
-    return "Paths: " + "; ".join(described) + " (details: docs/benchmarks.md)."
+    said = "; ".join(described) + " (details: docs/benchmarks.md)."
+    if len(modes) > 1:
+        said += f" MODE is the row's mode: {', '.join(modes)}."
+    return f"Paths: {said}"
+
+
+def _level_ratios_section(ratios: Sequence[dict[str, Any]]) -> list[str]:
+    """The paths' ratios at every level: a row for each model, mode and ratio, a column for
+    each level (reports from before they were kept have none: no section)."""
+    if not ratios:
+        return []
+    levels = sorted({r["in_flight"] for r in ratios})
+    table: dict[tuple[str, str, str], dict[int, float]] = {}
+    for r in ratios:
+        table.setdefault((r["model"], r["mode"], r["ratio"]), {})[r["in_flight"]] = r["median"]
+    rows = [
+        [model, mode, name] + [_num(by_level.get(level), 3) for level in levels]
+        for (model, mode, name), by_level in table.items()
+    ]
+    headers = ["model", "mode", "ratio (tiles/s over tiles/s)"]
+    headers += [f"{level} in flight" for level in levels]
+    return [
+        "## Ratios at every level",
+        "",
+        "Each the median of its rounds' ratios, the two paths measured side by side in every "
+        "round; the targets read the largest level (and the first mode) alone.",
+        "",
+        *_table(headers, rows),
+        "",
+    ]
 
 
 def _cpus(env: dict[str, Any]) -> str:
@@ -242,7 +274,7 @@ def markdown(report: dict[str, Any]) -> str:
             for row in throughput["rows"]
         ]
         out += ["## Throughput and latency", "", *_table(headers, rows)]
-        out += [_paths_legend(row["path"] for row in throughput["rows"]), ""]
+        out += [_paths_legend(throughput["rows"]), ""]
         out += [_COLUMNS_NOTE, ""]
         if any(_is_burst(row) for row in throughput["rows"]):
             out += [_BURST_NOTE, ""]
@@ -299,6 +331,7 @@ def markdown(report: dict[str, Any]) -> str:
             "",
             *_checks_table(checks),
         ]
+    out += _level_ratios_section((throughput or {}).get("level_ratios") or [])
     floors = (throughput or {}).get("noise_floor") or []
     if floors:
         out += [
@@ -328,48 +361,74 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def plot(report: dict[str, Any], path: Path) -> bool:
-    """Throughput and p95 latency against concurrency, one row of panels per model."""
+#: the line style of a path's series: the limit dotted, the external peers dashed, ours solid
+_LINESTYLES = {"raw": ":", "async-batcher": "--", "asyncio-queue": "--"}
+_MARKERS = ("o", "s", "^", "D", "v", "P")
+
+
+def _series_style(index: int, path: str) -> dict[str, Any]:
+    """One look per path, the same in every panel: ten colours and six markers make thirty
+    distinct pairs (the bench has twelve paths; one colour cycle alone gave two the same)."""
+    return {
+        "color": f"C{index % 10}",
+        "marker": _MARKERS[index % len(_MARKERS)],
+        "linestyle": _LINESTYLES.get(path, "-"),
+    }
+
+
+def figure(report: dict[str, Any]) -> Any:
+    """Throughput and p95 latency against requests in flight: a row of two panels for each
+    model and mode, and one legend of the paths beside them, outside every panel (a full
+    run's 36 series in one legend covered its throughput panel). ``None``: nothing to plot."""
     throughput = report.get("throughput")
     if not throughput or not throughput["rows"]:
-        return False
+        return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
-    models = list(dict.fromkeys(row["model"] for row in throughput["rows"]))
-    fig, axes = plt.subplots(len(models), 2, figsize=(12, 4.5 * len(models)), squeeze=False)
-    for (ax_tp, ax_lat), model in zip(axes, models, strict=True):
-        rows = [row for row in throughput["rows"] if row["model"] == model]
-        burst = " (the largest: one burst of every tile)" if any(map(_is_burst, rows)) else ""
-        modes = list(dict.fromkeys(_mode(row) for row in rows))
-        paths = list(dict.fromkeys(row["path"] for row in rows))
-        for name, mode in dict.fromkeys((row["path"], _mode(row)) for row in rows):
-            series = sorted(
-                (r for r in rows if (r["path"], _mode(r)) == (name, mode)),
-                key=_in_flight,
-            )
+    rows = throughput["rows"]
+    paths = list(dict.fromkeys(row["path"] for row in rows))
+    styles = {name: _series_style(i, name) for i, name in enumerate(paths)}
+    panels = list(dict.fromkeys((row["model"], _mode(row)) for row in rows))
+    several_modes = {model for model, _ in panels if sum(m == model for m, _ in panels) > 1}
+    fig, axes = plt.subplots(len(panels), 2, figsize=(11, 3.6 * len(panels)), squeeze=False)
+    for (ax_tp, ax_lat), (model, mode) in zip(axes, panels, strict=True):
+        mine = [row for row in rows if (row["model"], _mode(row)) == (model, mode)]
+        burst = " (the largest: one burst of every tile)" if any(map(_is_burst, mine)) else ""
+        for name in dict.fromkeys(row["path"] for row in mine):
+            series = sorted((r for r in mine if r["path"] == name), key=_in_flight)
             xs = [_in_flight(r) for r in series]  # as measured, as the table says
-            # One colour per path, one line style per mode.
-            style: dict[str, Any] = {"marker": "o", "color": f"C{paths.index(name) % 10}"}
-            style["label"] = name if len(modes) == 1 else f"{name} ({mode})"
-            style["linestyle"] = ("-", "--", ":")[modes.index(mode) % 3]
-            ax_tp.plot(xs, [r["throughput"] for r in series], **style)
-            ax_lat.plot(xs, [r["latency_ms"]["p95"] for r in series], **style)
-        for ax, title, unit in (
-            (ax_tp, "throughput", "tiles/s"),
-            (ax_lat, "p95 latency", "ms"),
-        ):
+            ax_tp.plot(xs, [r["throughput"] for r in series], label=name, **styles[name])
+            ax_lat.plot(xs, [r["latency_ms"]["p95"] for r in series], **styles[name])
+        # a reference size is h1's; an own checkpoint's label says what it is
+        title = f"{'h1 ' if model in ('tiny', 'small') else ''}{model}"
+        title += f", {mode}" if model in several_modes else ""
+        levels = sorted({_in_flight(row) for row in mine})
+        for ax, what, unit in ((ax_tp, "throughput", "tiles/s"), (ax_lat, "p95 latency", "ms")):
             ax.set_xscale("log", base=2)
-            # a reference size is h1's; an own checkpoint's label says what it is
-            ax.set_title(f"{'h1 ' if model in ('tiny', 'small') else ''}{model}: {title}")
+            ax.set_xticks(levels, [str(level) for level in levels])  # the levels, not 2^k
+            ax.minorticks_off()
+            ax.set_title(f"{title}: {what}")
             ax.set_xlabel("requests in flight" + burst)
             ax.set_ylabel(unit)
             ax.grid(True, which="both", alpha=0.3)
         ax_lat.set_yscale("log")
-        ax_tp.legend(fontsize="small")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0.0, 0.0, 0.8, 1.0))  # the right fifth for the legend
+    handles = [Line2D([], [], label=name, **styles[name]) for name in paths]
+    fig.legend(handles=handles, loc="upper left", bbox_to_anchor=(0.8, 0.99), fontsize="small")
+    return fig
+
+
+def plot(report: dict[str, Any], path: Path) -> bool:
+    """Write :func:`figure` to ``path``; ``False`` where there is nothing to plot."""
+    fig = figure(report)
+    if fig is None:
+        return False
+    import matplotlib.pyplot as plt
+
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True

@@ -509,6 +509,7 @@ def run_throughput(
         "notes": sweep.notes,
         "checks": [c.as_dict() for c in throughput_checks(sweep.samples, cfg)],
         "noise_floor": noise_floor(sweep.samples, cfg),
+        "level_ratios": level_ratios(sweep.samples, cfg),
         "failed": failed,
     }
 
@@ -765,6 +766,41 @@ def noise_floor(samples: Samples, cfg: BenchConfig) -> list[dict[str, Any]]:
                     }
                 )
     return floors
+
+
+#: the ratios read at every level (``level_ratios``): what each target compares, and what a
+#: user comparing paths on a model of their own asks first; (name, numerator, denominator)
+LEVEL_RATIOS = (
+    ("dynamic / explicit loop", "dynamic-asyncio", "explicit"),
+    ("dynamic / async-batcher", "dynamic-asyncio", "async-batcher"),
+    ("trio / asyncio (dynamic)", "dynamic-trio", "dynamic-asyncio"),
+    ("in-process / HTTP loopback", "dynamic-asyncio", "http"),
+)
+
+
+def level_ratios(samples: Samples, cfg: BenchConfig) -> list[dict[str, Any]]:
+    """Per model, mode and level: each of ``LEVEL_RATIOS`` whose two paths were measured, the
+    median of its rounds' ratios (each measured side by side). The targets read one level;
+    these say how a ratio moves with the load (a user trial of ``--checkpoint`` had the top
+    level's alone, where a smaller batch served its model best)."""
+    found = []
+    for model in cfg.models:
+        for mode in cfg.modes_of(model):
+            for level in cfg.small_levels if model == "small" else cfg.levels:
+                for name, num, den in LEVEL_RATIOS:
+                    rounds = _paired(samples, model, mode, num, den, level)
+                    if rounds:
+                        found.append(
+                            {
+                                "model": model,
+                                "mode": mode,
+                                "in_flight": cfg.in_flight(model, level),
+                                "ratio": name,
+                                "median": _median(rounds),
+                                "per_round": rounds,
+                            }
+                        )
+    return found
 
 
 def run_overhead(cfg: BenchConfig, log: Log) -> dict[str, Any]:
