@@ -91,14 +91,26 @@ def test_ratios_are_read_round_by_round_at_every_level_and_mode() -> None:
 def test_the_report_tabulates_every_ratio_at_every_level(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    cfg = BenchConfig(levels=LEVELS, modes=("predict", "embed"))
+    cfg = BenchConfig(
+        models=("tiny", "small"), levels=LEVELS, modes=("predict", "embed"), small_levels=(256,)
+    )
     samples: Samples = {}
     for mode, level in itertools.product(("predict", "embed"), LEVELS):
         samples[("tiny", "explicit", mode, level)] = [_sample(400.0)] * 3
         samples[("tiny", "dynamic-asyncio", mode, level)] = [_sample(4.0 * level + 400)] * 3
         samples[("tiny", "http", mode, level)] = [_sample(200.0)] * 3
+    # the small model at a level of its own: a table of its own (in one, every tiny row had
+    # an empty column for it)
+    samples[("small", "explicit", "predict", 256)] = [_sample(15.0)] * 3
+    samples[("small", "dynamic-asyncio", "predict", 256)] = [_sample(16.5)] * 3
     md = markdown(_report(samples, cfg))
     section = md.split("## Ratios at every level", 1)[1]
+    assert (
+        "| model | mode | ratio (tiles/s over tiles/s) | 256 in flight |\n"
+        "|---|---|---|---|\n"
+        "| small | predict | dynamic / explicit loop | 1.100 |\n"
+    ) in section
+    assert "–" not in section  # every cell measured
     assert "| model | mode | ratio (tiles/s over tiles/s) | 1 in flight | 8 in flight |" in section
     assert "| tiny | predict | dynamic / explicit loop | 1.010 | 1.080 | 1.640 | 6.120 |" in section
     assert "| tiny | embed | in-process / HTTP loopback | 2.020 | 2.160 | 3.280 | 12.240 |" in (
@@ -115,6 +127,7 @@ def test_the_report_tabulates_every_ratio_at_every_level(
         "1.010 / 1.080 / 1.640 / 6.120",
         "  in-process / HTTP loopback (tiny, predict) at 1 / 8 / 64 / 512 in flight: "
         "2.020 / 2.160 / 3.280 / 12.240",
+        "  dynamic / explicit loop (small, predict) at 256 in flight: 1.100",
     ]
 
 

@@ -186,29 +186,32 @@ def _paths_legend(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def _level_ratios_section(ratios: Sequence[dict[str, Any]]) -> list[str]:
-    """The paths' ratios at every level: a row for each model, mode and ratio, a column for
-    each level (reports from before they were kept have none: no section)."""
+    """The paths' ratios at every level: a table for each model (its own levels: the small
+    model's one level made every tiny row's column empty), a row for each mode and ratio
+    (reports from before they were kept have none: no section)."""
     if not ratios:
         return []
-    levels = sorted({r["in_flight"] for r in ratios})
-    table: dict[tuple[str, str, str], dict[int, float]] = {}
-    for r in ratios:
-        table.setdefault((r["model"], r["mode"], r["ratio"]), {})[r["in_flight"]] = r["median"]
-    rows = [
-        [model, mode, name] + [_num(by_level.get(level), 3) for level in levels]
-        for (model, mode, name), by_level in table.items()
-    ]
-    headers = ["model", "mode", "ratio (tiles/s over tiles/s)"]
-    headers += [f"{level} in flight" for level in levels]
-    return [
+    out = [
         "## Ratios at every level",
         "",
         "Each the median of its rounds' ratios, the two paths measured side by side in every "
         "round; the targets read the largest level (and the first mode) alone.",
         "",
-        *_table(headers, rows),
-        "",
     ]
+    for model in dict.fromkeys(r["model"] for r in ratios):
+        mine = [r for r in ratios if r["model"] == model]
+        levels = sorted({r["in_flight"] for r in mine})
+        table: dict[tuple[str, str], dict[int, float]] = {}
+        for r in mine:
+            table.setdefault((r["mode"], r["ratio"]), {})[r["in_flight"]] = r["median"]
+        rows = [
+            [model, mode, name] + [_num(by_level.get(level), 3) for level in levels]
+            for (mode, name), by_level in table.items()
+        ]
+        headers = ["model", "mode", "ratio (tiles/s over tiles/s)"]
+        headers += [f"{level} in flight" for level in levels]
+        out += _table(headers, rows)
+    return out
 
 
 def _cpus(env: dict[str, Any]) -> str:
