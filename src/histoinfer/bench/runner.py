@@ -108,6 +108,10 @@ class BenchConfig:
             return self.own.checked
         return self.dtype == "float32"
 
+    def levels_of(self, model: str) -> tuple[int, ...]:
+        """The concurrency levels ``model`` is swept at (the small model: its own)."""
+        return self.small_levels if model == "small" else self.levels
+
     def modes_of(self, model: str) -> tuple[Mode, ...]:
         """The modes swept on ``model``; its targets are read on the first."""
         return self.small_modes if model == "small" else self.modes
@@ -392,13 +396,24 @@ def _paired(
     return [x.throughput / y.throughput for x, y in zip(a, b, strict=False) if y.throughput > 0]
 
 
+#: the ratios of two paths' throughput the targets read (``throughput_checks``, at one level)
+#: and the report gives at every level (``level_ratios``): what a user comparing paths on a
+#: model of their own asks first; (name, numerator, denominator)
+LEVEL_RATIOS = (
+    ("dynamic / explicit loop", "dynamic-asyncio", "explicit"),
+    ("dynamic / async-batcher", "dynamic-asyncio", "async-batcher"),
+    ("trio / asyncio (dynamic)", "dynamic-trio", "dynamic-asyncio"),
+    ("in-process / HTTP loopback", "dynamic-asyncio", "http"),
+)
+_PAIRS = {name: (num, den) for name, num, den in LEVEL_RATIOS}
+
+
 def throughput_checks(samples: Samples, cfg: BenchConfig) -> list[Check]:
     """The targets, read on the first mode measured (``predict`` unless told otherwise)."""
     checks: list[Check] = []
 
-    def ratio(
-        name: str, issue: str, model: str, num: str, den: str, level: int, target: float
-    ) -> None:
+    def ratio(name: str, issue: str, model: str, level: int, target: float) -> None:
+        num, den = _PAIRS[name]
         requested = set(cfg.paths) & set(cfg.small_paths if model == "small" else cfg.paths)
         if not {num, den} <= requested:
             return  # not asked for (a script measuring some paths only)
@@ -417,15 +432,15 @@ def throughput_checks(samples: Samples, cfg: BenchConfig) -> list[Check]:
     first = next((m for m in cfg.models if m == "tiny" or cfg.is_own(m)), None)
     if first is not None and cfg.levels:
         model, top = first, max(cfg.levels)
-        ratio("dynamic / explicit loop", "3", model, "dynamic-asyncio", "explicit", top, 1.0)
-        ratio("dynamic / explicit loop", "5", model, "dynamic-asyncio", "explicit", top, 1.3)
-        ratio("dynamic / async-batcher", "5", model, "dynamic-asyncio", "async-batcher", top, 1.3)
-        ratio("trio / asyncio (dynamic)", "3", model, "dynamic-trio", "dynamic-asyncio", top, 0.9)
-        ratio("trio / asyncio (dynamic)", "5", model, "dynamic-trio", "dynamic-asyncio", top, 0.95)
-        ratio("in-process / HTTP loopback", "5", model, "dynamic-asyncio", "http", top, 3.0)
+        ratio("dynamic / explicit loop", "3", model, top, 1.0)
+        ratio("dynamic / explicit loop", "5", model, top, 1.3)
+        ratio("dynamic / async-batcher", "5", model, top, 1.3)
+        ratio("trio / asyncio (dynamic)", "3", model, top, 0.9)
+        ratio("trio / asyncio (dynamic)", "5", model, top, 0.95)
+        ratio("in-process / HTTP loopback", "5", model, top, 3.0)
     if "small" in cfg.models and cfg.small_levels and "dynamic-asyncio" in cfg.paths:
         top = max(cfg.small_levels)
-        ratio("dynamic / explicit loop", "5", "small", "dynamic-asyncio", "explicit", top, 1.05)
+        ratio("dynamic / explicit loop", "5", "small", top, 1.05)
         busy = [
             s.busy_share
             for s in samples.get(("small", "dynamic-asyncio", cfg.modes_of("small")[0], top), [])
@@ -542,7 +557,7 @@ def _sweep_model(cfg: BenchConfig, size: str, log: Log, environment: dict[str, A
     rows, skipped, notes, samples = sweep.rows, sweep.skipped, sweep.notes, sweep.samples
     small = size == "small"
     names = [p for p in (cfg.small_paths if small else cfg.paths) if p in cfg.paths]
-    levels = cfg.small_levels if small else cfg.levels
+    levels = cfg.levels_of(size)
     modes = cfg.modes_of(size)
     rounds = min(cfg.rounds, cfg.small_rounds) if small else cfg.rounds
     checkpoint = checkpoint_of(cfg, size, log)
@@ -751,7 +766,7 @@ def noise_floor(samples: Samples, cfg: BenchConfig) -> list[dict[str, Any]]:
     floors = []
     for model in cfg.models:
         mode = cfg.modes_of(model)[0]
-        for level in cfg.small_levels if model == "small" else cfg.levels:
+        for level in cfg.levels_of(model):
             rounds = _paired(samples, model, mode, *TWIN, level)
             if rounds:
                 floors.append(
@@ -768,16 +783,6 @@ def noise_floor(samples: Samples, cfg: BenchConfig) -> list[dict[str, Any]]:
     return floors
 
 
-#: the ratios read at every level (``level_ratios``): what each target compares, and what a
-#: user comparing paths on a model of their own asks first; (name, numerator, denominator)
-LEVEL_RATIOS = (
-    ("dynamic / explicit loop", "dynamic-asyncio", "explicit"),
-    ("dynamic / async-batcher", "dynamic-asyncio", "async-batcher"),
-    ("trio / asyncio (dynamic)", "dynamic-trio", "dynamic-asyncio"),
-    ("in-process / HTTP loopback", "dynamic-asyncio", "http"),
-)
-
-
 def level_ratios(samples: Samples, cfg: BenchConfig) -> list[dict[str, Any]]:
     """Per model, mode and level: each of ``LEVEL_RATIOS`` whose two paths were measured, the
     median of its rounds' ratios (each measured side by side). The targets read one level;
@@ -786,7 +791,7 @@ def level_ratios(samples: Samples, cfg: BenchConfig) -> list[dict[str, Any]]:
     found = []
     for model in cfg.models:
         for mode in cfg.modes_of(model):
-            for level in cfg.small_levels if model == "small" else cfg.levels:
+            for level in cfg.levels_of(model):
                 for name, num, den in LEVEL_RATIOS:
                     rounds = _paired(samples, model, mode, num, den, level)
                     if rounds:
