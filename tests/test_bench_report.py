@@ -167,13 +167,23 @@ def test_the_plot_has_a_row_for_each_mode_and_its_legend_beside_the_panels() -> 
     modes = ("predict", "embed", "predict_with_embedding")
     cfg = BenchConfig(levels=LEVELS, modes=modes)
     samples: Samples = {
-        ("tiny", path, mode, level): [_sample(100.0 + 10 * i + level)]
+        # latency (3 tiles: 10, 20, 30 ms each) grows with the level: a wide range, log
+        ("tiny", path, mode, level): [
+            Sample(tiles=3, wall_s=3 / (100.0 + 10 * i + level), latencies_s=[s * level] * 3)
+            for s in (0.01, 0.012)  # two rounds: their range is drawn
+        ]
         for (i, path), mode, level in itertools.product(enumerate(PATH_NAMES), modes, LEVELS)
     }
     samples[("small", "raw", "predict", 256)] = [_sample(27.0)]
     samples[("small", "explicit", "predict", 256)] = [_sample(26.0)]
-    fig = figure(_report(samples, cfg))
+    report = _report(samples, cfg)
+    report["date"], report["environment"]["commit"] = "2026-12-07 15:07:49", "c78fbeb"
+    fig = figure(report)
     try:
+        assert (
+            fig._suptitle.get_text()
+            == "histoinfer bench, 2026-12-07 15:07:49, 2 CPUs, commit c78fbeb"
+        )
         panels = [ax for ax in fig.axes]
         assert len(panels) == 2 * (len(modes) + 1)  # tiny's three modes, small's one
         titles = [ax.get_title() for ax in panels]
@@ -187,13 +197,23 @@ def test_the_plot_has_a_row_for_each_mode_and_its_legend_beside_the_panels() -> 
             (line.get_color(), line.get_marker(), line.get_linestyle())
             for line in legend.get_lines()
         ]
-        assert len(set(looks)) == len(PATH_NAMES)
+        # no colour and no marker drawn for two paths
+        assert len({colour for colour, _, _ in looks}) == len(PATH_NAMES)
+        assert len({marker for _, marker, _ in looks}) == len(PATH_NAMES)
         # every series of a path drawn as its legend entry, in every panel
         look_of = dict(zip(PATH_NAMES, looks, strict=True))
         for line in panels[0].get_lines():
             assert (line.get_color(), line.get_marker(), line.get_linestyle()) == look_of[
                 line.get_label()
             ]
+        # throughput from 0 (a zoomed axis made a 3% gap look like a gulf), each point's rounds
+        # drawn as a bar; latency on a log scale where it spans 10x, else linear from 0
+        for ax in panels[0::2]:
+            assert ax.get_ylim()[0] == 0
+        assert panels[0].collections, "no error bars"
+        assert not panels[-2].collections  # one round each: no range to draw
+        assert panels[1].get_yscale() == "log"
+        assert panels[-1].get_yscale() == "linear" and panels[-1].get_ylim()[0] == 0
         renderer = fig.canvas.get_renderer()
         box = legend.get_window_extent(renderer)
         for ax in panels:

@@ -366,23 +366,49 @@ def markdown(report: dict[str, Any]) -> str:
 
 #: the line style of a path's series: the limit dotted, the external peers dashed, ours solid
 _LINESTYLES = {"raw": ":", "async-batcher": "--", "asyncio-queue": "--"}
-_MARKERS = ("o", "s", "^", "D", "v", "P")
+#: a colour and a marker for each path, none repeated across the bench's twelve (cycles of ten
+#: colours and six markers drew raw and async-batcher in one blue, two paths with one marker)
+_COLOURS = (*(f"C{i}" for i in range(10)), "black", "goldenrod")
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h", "p")
+#: a latency axis spanning less than this ratio is linear: on a log scale, one level's narrow
+#: range was labelled "1.57x10^4 ... 1.62x10^4"
+_LOG_SPAN = 10.0
 
 
 def _series_style(index: int, path: str) -> dict[str, Any]:
-    """One look per path, the same in every panel: ten colours and six markers make thirty
-    distinct pairs (the bench has twelve paths; one colour cycle alone gave two the same)."""
+    """One look per path, the same in every panel."""
     return {
-        "color": f"C{index % 10}",
+        "color": _COLOURS[index % len(_COLOURS)],
         "marker": _MARKERS[index % len(_MARKERS)],
         "linestyle": _LINESTYLES.get(path, "-"),
     }
 
 
+def _spread(series: Sequence[dict[str, Any]]) -> list[list[float]] | None:
+    """How far below and above each point's median its rounds went (error bars: with a noise
+    floor of 20-30% a round, lines crossing inside their bars are no ranking)."""
+    rounds = [row.get("throughput_rounds") or [] for row in series]
+    if not all(rounds) or max(map(len, rounds)) < 2:
+        return None
+    # clamped: the rounds are kept to 0.1 tiles/s, the median is not
+    below = [max(0.0, row["throughput"] - min(r)) for row, r in zip(series, rounds, strict=True)]
+    above = [max(0.0, max(r) - row["throughput"]) for row, r in zip(series, rounds, strict=True)]
+    return [below, above]
+
+
+def _run_said(report: dict[str, Any]) -> str:
+    """The run, in the figure's title: plots of two runs looked alike."""
+    env = report.get("environment") or {}
+    commit = f", commit {env['commit']}" if env.get("commit") else ""
+    cpus = f", {env['cpus']} CPUs" if env.get("cpus") else ""
+    return f"histoinfer bench, {report.get('date', '')}{cpus}{commit}"
+
+
 def figure(report: dict[str, Any]) -> Any:
-    """Throughput and p95 latency against requests in flight: a row of two panels for each
-    model and mode, and one legend of the paths beside them, outside every panel (a full
-    run's 36 series in one legend covered its throughput panel). ``None``: nothing to plot."""
+    """Throughput (each point the median of its rounds, bars their range) and p95 latency
+    against requests in flight: a row of two panels for each model and mode, and one legend of
+    the paths beside them, outside every panel (a full run's 36 series in one legend covered
+    its throughput panel). ``None``: nothing to plot."""
     throughput = report.get("throughput")
     if not throughput or not throughput["rows"]:
         return None
@@ -397,14 +423,19 @@ def figure(report: dict[str, Any]) -> Any:
     styles = {name: _series_style(i, name) for i, name in enumerate(paths)}
     panels = list(dict.fromkeys((row["model"], _mode(row)) for row in rows))
     several_modes = {model for model, _ in panels if sum(m == model for m, _ in panels) > 1}
-    fig, axes = plt.subplots(len(panels), 2, figsize=(11, 3.6 * len(panels)), squeeze=False)
+    fig, axes = plt.subplots(len(panels), 2, figsize=(11, 3.6 * len(panels) + 0.4), squeeze=False)
     for (ax_tp, ax_lat), (model, mode) in zip(axes, panels, strict=True):
         mine = [row for row in rows if (row["model"], _mode(row)) == (model, mode)]
         burst = " (the largest: one burst of every tile)" if any(map(_is_burst, mine)) else ""
         for name in dict.fromkeys(row["path"] for row in mine):
             series = sorted((r for r in mine if r["path"] == name), key=_in_flight)
             xs = [_in_flight(r) for r in series]  # as measured, as the table says
-            ax_tp.plot(xs, [r["throughput"] for r in series], label=name, **styles[name])
+            ys = [r["throughput"] for r in series]
+            ax_tp.plot(xs, ys, label=name, **styles[name])
+            spread = _spread(series)
+            if spread is not None:
+                colour = styles[name]["color"]
+                ax_tp.errorbar(xs, ys, yerr=spread, fmt="none", ecolor=colour, alpha=0.35)
             ax_lat.plot(xs, [r["latency_ms"]["p95"] for r in series], **styles[name])
         # a reference size is h1's; an own checkpoint's label says what it is
         title = f"{'h1 ' if model in ('tiny', 'small') else ''}{model}"
@@ -418,10 +449,16 @@ def figure(report: dict[str, Any]) -> Any:
             ax.set_xlabel("requests in flight" + burst)
             ax.set_ylabel(unit)
             ax.grid(True, which="both", alpha=0.3)
-        ax_lat.set_yscale("log")
-    fig.tight_layout(rect=(0.0, 0.0, 0.8, 1.0))  # the right fifth for the legend
+        ax_tp.set_ylim(bottom=0)  # a zoomed axis made a 3% gap look like a gulf
+        p95 = [row["latency_ms"]["p95"] for row in mine if row["latency_ms"]["p95"] > 0]
+        if p95 and max(p95) >= _LOG_SPAN * min(p95):
+            ax_lat.set_yscale("log")
+        else:
+            ax_lat.set_ylim(bottom=0)
+    fig.suptitle(_run_said(report), fontsize="medium")
+    fig.tight_layout(rect=(0.0, 0.0, 0.8, 0.98))  # the right fifth for the legend
     handles = [Line2D([], [], label=name, **styles[name]) for name in paths]
-    fig.legend(handles=handles, loc="upper left", bbox_to_anchor=(0.8, 0.99), fontsize="small")
+    fig.legend(handles=handles, loc="upper left", bbox_to_anchor=(0.8, 0.97), fontsize="small")
     return fig
 
 
