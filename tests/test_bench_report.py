@@ -180,10 +180,7 @@ def test_the_plot_has_a_row_for_each_mode_and_its_legend_beside_the_panels() -> 
     report["date"], report["environment"]["commit"] = "2026-12-07 15:07:49", "c78fbeb"
     fig = figure(report)
     try:
-        assert (
-            fig._suptitle.get_text()
-            == "histoinfer bench, 2026-12-07 15:07:49, 2 CPUs, commit c78fbeb"
-        )
+        assert fig.get_suptitle() == "histoinfer bench, 2026-12-07 15:07:49, 2 CPUs, commit c78fbeb"
         panels = [ax for ax in fig.axes]
         assert len(panels) == 2 * (len(modes) + 1)  # tiny's three modes, small's one
         titles = [ax.get_title() for ax in panels]
@@ -214,6 +211,10 @@ def test_the_plot_has_a_row_for_each_mode_and_its_legend_beside_the_panels() -> 
         assert not panels[-2].collections  # one round each: no range to draw
         assert panels[1].get_yscale() == "log"
         assert panels[-1].get_yscale() == "linear" and panels[-1].get_ylim()[0] == 0
+        # every point inside its panel (an autoscaled top cut the highest off)
+        for ax in panels:
+            top = ax.get_ylim()[1]
+            assert all(max(line.get_ydata()) < top for line in ax.get_lines()), ax.get_title()
         renderer = fig.canvas.get_renderer()
         box = legend.get_window_extent(renderer)
         for ax in panels:
@@ -224,3 +225,32 @@ def test_the_plot_has_a_row_for_each_mode_and_its_legend_beside_the_panels() -> 
 
         plt.close(fig)
     assert figure({"throughput": {"rows": []}}) is None
+
+
+def test_a_path_looks_the_same_in_every_run_and_a_lone_mode_is_named() -> None:
+    """Styles were given by a path's place in the run's rows: a run without the twin drew
+    async-batcher in another colour. A run of one mode other than predict never said which."""
+
+    def looks(paths: tuple[str, ...], mode: str = "predict") -> dict[str, tuple[Any, ...]]:
+        cfg = BenchConfig(levels=(8,), modes=(mode,))  # type: ignore[arg-type]
+        samples: Samples = {("tiny", p, mode, 8): [_sample(100.0)] for p in paths}
+        fig = figure(_report(samples, cfg))
+        try:
+            [legend] = fig.legends
+            found = {
+                text.get_text(): (line.get_color(), line.get_marker(), line.get_linestyle())
+                for text, line in zip(legend.get_texts(), legend.get_lines(), strict=True)
+            }
+            found["title"] = (fig.axes[0].get_title(),)
+            return found
+        finally:
+            import matplotlib.pyplot as plt
+
+            plt.close(fig)
+
+    every = looks(PATH_NAMES)
+    some = looks(("raw", "async-batcher", "my-path"))
+    assert some["async-batcher"] == every["async-batcher"]
+    assert some["my-path"] not in [every[p] for p in PATH_NAMES]  # a path of a script's own
+    assert every["title"] == ("h1 tiny: throughput",)
+    assert looks(("explicit",), "embed")["title"] == ("h1 tiny, embed: throughput",)

@@ -333,13 +333,14 @@ def run(args: argparse.Namespace) -> int:
         sign = ">=" if check["higher_is_better"] else "<="
         target = f"target {sign} {check['target']:g}"
         print(f"  {check['name']}: {value} ({target}) {verdict(check)}")
-    _print_level_ratios(report.get("throughput", {}).get("level_ratios", []))
     for floor in report.get("throughput", {}).get("noise_floor", []):
         print(
             f"  noise floor ({floor['model']}, {floor.get('in_flight', floor['concurrency'])} "
             "in flight): identical "
             f"processes differed by up to {floor['spread']:.1%} a round"
         )
+    # after the targets' lines and their noise floor, under a heading of its own
+    _print_level_ratios(report.get("throughput", {}).get("level_ratios", []))
     print(f"done in {report['seconds']} s")
     return 1 if report.get("failed") else 0
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .names import PATH_DESCRIPTIONS
+from .names import PATH_DESCRIPTIONS, PATH_NAMES
 from .own import describe
 from .runner import verdict
 
@@ -420,7 +420,16 @@ def figure(report: dict[str, Any]) -> Any:
 
     rows = throughput["rows"]
     paths = list(dict.fromkeys(row["path"] for row in rows))
-    styles = {name: _series_style(i, name) for i, name in enumerate(paths)}
+    # by the path's place among the bench's paths, not this run's: a path looks the same in
+    # every report.png (a run without the twin drew async-batcher in another colour)
+    extra = [name for name in paths if name not in PATH_NAMES]
+    styles = {
+        name: _series_style(
+            PATH_NAMES.index(name) if name in PATH_NAMES else len(PATH_NAMES) + extra.index(name),
+            name,
+        )
+        for name in paths
+    }
     panels = list(dict.fromkeys((row["model"], _mode(row)) for row in rows))
     several_modes = {model for model, _ in panels if sum(m == model for m, _ in panels) > 1}
     fig, axes = plt.subplots(len(panels), 2, figsize=(11, 3.6 * len(panels) + 0.4), squeeze=False)
@@ -439,7 +448,7 @@ def figure(report: dict[str, Any]) -> Any:
             ax_lat.plot(xs, [r["latency_ms"]["p95"] for r in series], **styles[name])
         # a reference size is h1's; an own checkpoint's label says what it is
         title = f"{'h1 ' if model in ('tiny', 'small') else ''}{model}"
-        title += f", {mode}" if model in several_modes else ""
+        title += f", {mode}" if model in several_modes or mode != "predict" else ""
         levels = sorted({_in_flight(row) for row in mine})
         for ax, what, unit in ((ax_tp, "throughput", "tiles/s"), (ax_lat, "p95 latency", "ms")):
             ax.set_xscale("log", base=2)
@@ -449,12 +458,15 @@ def figure(report: dict[str, Any]) -> Any:
             ax.set_xlabel("requests in flight" + burst)
             ax.set_ylabel(unit)
             ax.grid(True, which="both", alpha=0.3)
-        ax_tp.set_ylim(bottom=0)  # a zoomed axis made a 3% gap look like a gulf
+        # from 0 (a zoomed axis made a 3% gap look like a gulf), the top set here: autoscaled,
+        # its margin was a share of the data's spread and cut the highest points off
+        tops = [max([r["throughput"], *(r.get("throughput_rounds") or [])]) for r in mine]
+        ax_tp.set_ylim(0, 1.08 * max(tops) if max(tops) > 0 else 1.0)
         p95 = [row["latency_ms"]["p95"] for row in mine if row["latency_ms"]["p95"] > 0]
         if p95 and max(p95) >= _LOG_SPAN * min(p95):
             ax_lat.set_yscale("log")
         else:
-            ax_lat.set_ylim(bottom=0)
+            ax_lat.set_ylim(0, 1.08 * max(p95) if p95 else 1.0)
     fig.suptitle(_run_said(report), fontsize="medium")
     fig.tight_layout(rect=(0.0, 0.0, 0.8, 0.98))  # the right fifth for the legend
     handles = [Line2D([], [], label=name, **styles[name]) for name in paths]
