@@ -4,6 +4,7 @@ ratios at every level, the paths' legend in the mode swept, and a plot a reader 
 from __future__ import annotations
 
 import itertools
+import json
 from typing import Any
 
 import pytest
@@ -254,3 +255,20 @@ def test_a_path_looks_the_same_in_every_run_and_a_lone_mode_is_named() -> None:
     assert some["my-path"] not in [every[p] for p in PATH_NAMES]  # a path of a script's own
     assert every["title"] == ("h1 tiny: throughput",)
     assert looks(("explicit",), "embed")["title"] == ("h1 tiny, embed: throughput",)
+
+
+def test_every_report_kept_in_the_repository_renders() -> None:
+    """The kept runs' reports, of every version's shape (session 10's held its program runner
+    as one string, and failed to render)."""
+    from pathlib import Path
+
+    import matplotlib.pyplot as plt
+
+    kept = sorted((Path(__file__).parents[1] / "benchmarks" / "results").glob("*/report.json"))
+    assert len(kept) > 50
+    for path in kept:
+        report = json.loads(path.read_text(encoding="utf-8"))
+        assert markdown(report).startswith("# histoinfer bench"), path
+        fig = figure(report)
+        if fig is not None:
+            plt.close(fig)

@@ -22,10 +22,13 @@ def _pct(value: float | None) -> str:
     return "–" if value is None else f"{100 * value:.0f}%"
 
 
-def _runners(runners: dict[str, str] | None) -> str:
-    """How each model's program ran (models/scripted.py), for the report's opening lines."""
+def _runners(runners: dict[str, str] | str | None) -> str:
+    """How each model's program ran (models/scripted.py), for the report's opening lines;
+    reports of session 10 hold one string for every model."""
     if not runners:
         return ""
+    if isinstance(runners, str):
+        return f" The program runs as: {runners}."
     if len(set(runners.values())) == 1:
         return f" The program runs as: {next(iter(runners.values()))}."
     return " The program runs as: " + "; ".join(f"{m}: {r}" for m, r in runners.items()) + "."
